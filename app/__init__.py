@@ -1,0 +1,1 @@
+"""graphserve: app (see DESIGN.md for what lives here)."""

@@ -1,0 +1,1 @@
+"""graphserve: policies (see DESIGN.md for what lives here)."""

@@ -1,0 +1,1 @@
+"""GPU side of graphserve: model, checkpoints, KV cache, sampling, the engine."""

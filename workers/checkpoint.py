@@ -1,0 +1,105 @@
+"""Loading a Hugging Face checkpoint directory: config.json, safetensors weights, tokenizer.
+
+Weights are read tensor by tensor through safetensors slices, and each slice goes straight to the
+model layer that owns it, so a tensor-parallel rank reads only its share of every tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.config import CheckpointError, load_config
+from workers.model import LlamaModel
+from workers.parallel import TPGroup
+
+log = logging.getLogger(__name__)
+
+# Tensors some checkpoints carry that a serving model derives or does not need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{model_dir}: index names weight files that are missing: {', '.join(missing)}")
+        return {name: model_dir / f for name, f in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+        raise CheckpointError(f"{model_dir}: no *.safetensors weight files{hint}")
+    names: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            names.update(dict.fromkeys(sf.keys(), f))
+    return names
+
+
+def model_revision(model_dir: Path) -> str:
+    """A short content id of the checkpoint: config plus the weight files' names and sizes."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:12]
+
+
+def load_model(
+    model_dir: str | Path,
+    max_model_len: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    tp: TPGroup | None = None,
+) -> LlamaModel:
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    files = weight_files(model_dir)
+    with torch.device(device):
+        model = LlamaModel(cfg, max_model_len, tp=tp)
+    targets = model.checkpoint_map()
+    missing = sorted(set(targets) - set(files))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {shown}")
+    unused = [n for n in files if n not in targets and not n.endswith(IGNORED_SUFFIXES)]
+    if unused:
+        log.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[0])
+    by_file: dict[Path, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as sf:
+            for name in names:
+                module, kind, part = targets[name]
+                tensor = sf.get_slice(name)
+
+                def read(dim: int | None, start: int, stop: int, tensor=tensor) -> torch.Tensor:
+                    if dim is None:
+                        return tensor[:]
+                    return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+
+                module.load(kind, part, read)
+    return model.eval()
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's own tokenizer (AutoTokenizer), with its chat template when it has one."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(f"{model_dir}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,146 @@
+"""Model configuration parsed from a Hugging Face `config.json`.
+
+We read the raw JSON rather than `AutoConfig` so that both the v4 (`rope_scaling`, `rope_theta`)
+and v5 (`rope_parameters`) spellings load, and so that an unsupported checkpoint fails here with a
+message naming what is wrong, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be served, with the reason in the message."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder; everything the model and the KV cache need."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    dtype: torch.dtype = torch.float32
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights, the floor of what one decode step must read."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        embeddings = v * h * (1 if self.tie_word_embeddings else 2)
+        return (self.num_layers * per_layer + embeddings + h) * torch.finfo(self.dtype).bits // 8
+
+
+def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from the dict of a config.json, or raise CheckpointError saying why not."""
+    archs = raw.get("architectures") or []
+    supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        found = ", ".join(archs) or f"none (model_type={raw.get('model_type')!r})"
+        raise CheckpointError(
+            f"unsupported architecture: {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[supported[0]]
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if k not in raw
+    ]
+    if missing:
+        raise CheckpointError(f"config.json lacks required fields: {', '.join(missing)}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
+
+    if raw.get("mlp_bias"):
+        raise CheckpointError("mlp_bias=true is not supported")
+
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    sliding_window = None
+    if family == "mistral":
+        sliding_window = raw.get("sliding_window")
+    elif family == "qwen2" and raw.get("use_sliding_window"):
+        raise CheckpointError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+
+    heads = raw["num_attention_heads"]
+    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if dtype_name not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {dtype_name!r}; supported: {', '.join(DTYPES)}")
+    return ModelConfig(
+        architecture=supported[0],
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=rope_theta,
+        rope_scaling={} if rope_type == "default" else rope,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
+        sliding_window=sliding_window,
+        dtype=DTYPES[dtype_name],
+        eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: missing config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    return parse_config(raw)

@@ -1,0 +1,164 @@
+"""The synchronous engine: one `step()` admits and prefills new requests, then decodes the whole
+running batch by one token. The asyncio front (`async_engine.py`) drives it from its own thread."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.checkpoint import load_model, load_tokenizer, model_revision
+from workers.config import DTYPES, load_config
+from workers.default_model import default_model_dir
+from workers.model import LlamaModel
+from workers.sampling import SamplingParams, sample
+from workers.scheduler import Scheduler, Sequence
+from workers.stats import EngineStats
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None = the embedded tiny default
+    max_num_seqs: int = 32
+    max_model_len: int = 2048  # capped at the model's max_position_embeddings
+    max_waiting: int = 1024
+    max_prefill_tokens: int = 8192
+    device: str = "auto"  # auto = cuda when present
+    dtype: str | None = None  # None = the checkpoint's
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request from one engine step; finish_reason is set on its last event."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.model = model
+        self.config = config
+        self.device = model.embed.weight.device
+        self.max_model_len = model.max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.cache = model.make_kv_cache(config.max_num_seqs)
+        self.scheduler = Scheduler(
+            config.max_num_seqs, self.max_model_len, config.max_waiting, config.max_prefill_tokens
+        )
+        self.stats = EngineStats()
+        self.revision = "random"
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
+        """Load the checkpoint named by the config (or the default); returns (engine, tokenizer)."""
+        model_dir = Path(config.model) if config.model else default_model_dir()
+        cfg = load_config(model_dir)
+        max_len = min(config.max_model_len, cfg.max_position_embeddings)
+        dtype = DTYPES[config.dtype] if config.dtype else None
+        model = load_model(model_dir, max_len, resolve_device(config.device), dtype)
+        tokenizer = load_tokenizer(model_dir)
+        eos = set(cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        engine = cls(model, config, tuple(sorted(eos)))
+        engine.revision = model_revision(model_dir)
+        return engine, tokenizer
+
+    def new_sequence(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        """A request's state; unseeded requests get a random seed of their own here."""
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed)
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        seq = self.new_sequence(prompt_ids, params, request_id)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.stats.record_finish("abort", None, None)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        events: dict[str, TokenEvent] = {}
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted, events)
+        batch = list(self.scheduler.running.values())
+        if batch:
+            self._decode(batch, events)
+        return list(events.values())
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _prefill(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
+        tokens = [t for s in seqs for t in s.prompt_ids]
+        positions = [p for s in seqs for p in range(len(s.prompt_ids))]
+        slots = [s.slot for s in seqs for _ in s.prompt_ids]
+        lens = [len(s.prompt_ids) for s in seqs]
+        logits = self.model.prefill(
+            self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache
+        )
+        self._accept(seqs, logits, events)
+        self.stats.record_prefill(len(seqs), len(tokens))
+
+    def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
+        tokens = self._tensor([s.output_ids[-1] for s in seqs])
+        positions = self._tensor([s.length - 1 for s in seqs])
+        slots = self._tensor([s.slot for s in seqs])
+        logits = self.model.decode(tokens, positions, slots, self.cache)
+        self._accept(seqs, logits, events)
+        self.stats.record_decode(len(seqs))
+
+    def _accept(self, seqs: list[Sequence], logits: torch.Tensor, events: dict[str, TokenEvent]) -> None:
+        """Sample one token per sequence, record it, and retire sequences that are done."""
+        drawn = sample(
+            logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs]
+        ).tolist()
+        now = time.monotonic()
+        for seq, token in zip(seqs, drawn):
+            p = seq.params
+            event = events.setdefault(seq.request_id, TokenEvent(seq.request_id, []))
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                self._retire(seq, "stop", event)
+                continue
+            seq.output_ids.append(token)
+            event.token_ids.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            seq.last_token_time = now
+            if len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
+                self._retire(seq, "length", event)
+
+    def _retire(self, seq: Sequence, reason: str, event: TokenEvent) -> None:
+        self.scheduler.finish(seq, reason)
+        event.finish_reason = reason
+        ttft = tpot = None
+        if seq.first_token_time is not None:
+            ttft = seq.first_token_time - seq.arrival_time
+            if len(seq.output_ids) > 1:
+                tpot = (seq.last_token_time - seq.first_token_time) / (len(seq.output_ids) - 1)
+        self.stats.record_finish(reason, ttft, tpot)

@@ -1,0 +1,43 @@
+"""The KV cache: fixed slots allocated once, updated in place.
+
+Shape per layer: (num_slots + 1, kv_heads, max_model_len, head_dim). A sequence owns one slot for its
+whole life; its length lives with the scheduler. The extra last slot is scratch: rows that exist only
+to pad a batch write there, so they can never touch a real sequence's keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_model_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_slots + 1, num_kv_heads, max_model_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.scratch_slot = num_slots
+        self.max_model_len = max_model_len
+
+    def write(
+        self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store k, v of shape (tokens, kv_heads, head_dim) at (slot, position) for each token."""
+        self.k[layer, slot_ids, :, positions] = k
+        self.v[layer, slot_ids, :, positions] = v
+
+    def read(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given slots: (rows, kv_heads, max_model_len, head_dim) each."""
+        return self.k[layer].index_select(0, slot_ids), self.v[layer].index_select(0, slot_ids)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes

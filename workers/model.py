@@ -1,0 +1,222 @@
+"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) written for serving.
+
+Fused QKV and gate/up projections, RMSNorm, RoPE with Llama 3 / linear scaling, SDPA, GQA, tied or
+untied embeddings. Every linear is a tensor-parallel layer (see `parallel.py`). Two entry points:
+`prefill` (packed prompts, eager) and `decode` (one token per row, fixed shapes, no host sync, no
+allocation that depends on values), which is the step the graph runner captures.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.config import ModelConfig
+from workers.kv_cache import KVCache
+from workers.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if cfg.rope_type == "linear":
+        return inv_freq / s["factor"]
+    if cfg.rope_type == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim). Rotate-half convention (HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str | None) -> None:
+        super().__init__()
+        tp.shard(cfg.num_heads, "num_attention_heads")
+        tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.num_heads = cfg.num_heads // tp.world_size
+        self.num_kv_heads = cfg.num_kv_heads // tp.world_size
+        self.head_dim = cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.qkv_bias, tp, cfg.dtype, device)
+        self.o = RowParallelLinear(q, cfg.hidden_size, cfg.o_bias, tp, cfg.dtype, device)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str | None) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [i, i], False, tp, cfg.dtype, device)
+        self.down = RowParallelLinear(i, cfg.hidden_size, False, tp, cfg.dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.input_norm = ReplicatedParameter([cfg.hidden_size], cfg.dtype, device)
+        self.attn = Attention(cfg, tp, device)
+        self.post_attn_norm = ReplicatedParameter([cfg.hidden_size], cfg.dtype, device)
+        self.mlp = MLP(cfg, tp, device)
+
+
+class LlamaModel(nn.Module):
+    """The decoder. Attention is split out of the layer loop (`attend` callables) so prefill and
+    decode share every other line, and so a piecewise runner can cut the step at attention."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_model_len: int,
+        tp: TPGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp or TPGroup()
+        self.max_model_len = max_model_len
+        self.embed = ReplicatedParameter([cfg.vocab_size, cfg.hidden_size], cfg.dtype, device)
+        self.layers = nn.ModuleList(Block(cfg, self.tp, device) for _ in range(cfg.num_layers))
+        self.norm = ReplicatedParameter([cfg.hidden_size], cfg.dtype, device)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(
+                cfg.hidden_size, [cfg.vocab_size], False, self.tp, cfg.dtype, device, gather_output=True
+            )
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(cfg))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", angles.cos().to(cfg.dtype).to(device), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(cfg.dtype).to(device), persistent=False)
+        self.register_buffer("kv_index", torch.arange(max_model_len, device=device), persistent=False)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[0].attn.num_kv_heads
+
+    def make_kv_cache(self, num_slots: int) -> KVCache:
+        device = self.embed.weight.device
+        return KVCache(
+            self.cfg.num_layers, num_slots, self.num_local_kv_heads, self.max_model_len, self.cfg.head_dim,
+            self.cfg.dtype, device,
+        )  # fmt: skip
+
+    def checkpoint_map(self) -> dict[str, tuple[nn.Module, str, int]]:
+        """HF tensor name -> (our module, "weight" | "bias", part index within a fused layer)."""
+        m: dict[str, tuple[nn.Module, str, int]] = {"model.embed_tokens.weight": (self.embed, "weight", 0)}
+        m["model.norm.weight"] = (self.norm, "weight", 0)
+        if self.lm_head is not None:
+            m["lm_head.weight"] = (self.lm_head, "weight", 0)
+        for i, block in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            m[p + "input_layernorm.weight"] = (block.input_norm, "weight", 0)
+            m[p + "post_attention_layernorm.weight"] = (block.post_attn_norm, "weight", 0)
+            for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                m[p + f"self_attn.{name}.weight"] = (block.attn.qkv, "weight", part)
+                if self.cfg.qkv_bias:
+                    m[p + f"self_attn.{name}.bias"] = (block.attn.qkv, "bias", part)
+            m[p + "self_attn.o_proj.weight"] = (block.attn.o, "weight", 0)
+            if self.cfg.o_bias:
+                m[p + "self_attn.o_proj.bias"] = (block.attn.o, "bias", 0)
+            m[p + "mlp.gate_proj.weight"] = (block.mlp.gate_up, "weight", 0)
+            m[p + "mlp.up_proj.weight"] = (block.mlp.gate_up, "weight", 1)
+            m[p + "mlp.down_proj.weight"] = (block.mlp.down, "weight", 0)
+        return m
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps)
+        if self.lm_head is None:
+            return F.linear(h, self.embed.weight)
+        return self.lm_head(h)
+
+    def _layers(self, tokens, positions, slot_ids, cache: KVCache, attend) -> torch.Tensor:
+        h = F.embedding(tokens, self.embed.weight)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        eps = self.cfg.rms_norm_eps
+        for i, block in enumerate(self.layers):
+            q, k, v = block.attn.project(rms_norm(h, block.input_norm.weight, eps), cos, sin)
+            cache.write(i, slot_ids, positions, k, v)
+            h = h + block.attn.o(attend(i, q, k, v))
+            h = h + block.mlp(rms_norm(h, block.post_attn_norm.weight, eps))
+        return h
+
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One token per row: tokens/positions/slot_ids of shape (rows,) -> logits (rows, vocab).
+        Each row attends to its own slot, positions 0..position (inclusive, windowed if set)."""
+        rows = tokens.shape[0]
+        visible = self.kv_index[None, :] <= positions[:, None]
+        if self.cfg.sliding_window:
+            visible &= self.kv_index[None, :] > positions[:, None] - self.cfg.sliding_window
+        mask = visible[:, None, None, :]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.read(layer, slot_ids)
+            kv_heads = keys.shape[1]
+            # GQA without copying K/V: the query heads sharing one KV head become its query rows.
+            q = q.view(rows, kv_heads, -1, q.shape[-1])
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            return out.reshape(rows, -1)
+
+        return self.logits(self._layers(tokens, positions, slot_ids, cache, attend))
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor,
+        seq_lens: list[int],
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Whole prompts packed end to end (tokens of shape (sum(seq_lens),)); returns the logits of
+        each prompt's last token, (len(seq_lens), vocab). Attention runs per prompt, causal."""
+        window = self.cfg.sliding_window
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens)):
+                n = qs.shape[0]
+                qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))
+                if window and n > window:
+                    i = torch.arange(n, device=qs.device)
+                    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+                else:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+            return torch.cat(outs)
+
+        h = self._layers(tokens, positions, slot_ids, cache, attend)
+        last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
+        return self.logits(h[last])
