@@ -5,7 +5,7 @@ decoding: building and copying the inputs, the model step, sampling, and the hos
 the tokens back. Random weights of real shapes (speed does not depend on the values); all timings
 of one invocation come from one process on one GPU, so compare them as ratios.
 
-    python bench/decode_tpot.py --configs 1b --batch-sizes 1 8 32 --out bench/results/x.json
+    python bench/decode_tpot.py --configs 1b 8b --compile-configs 1b --hf --out bench/results/decode_h200.json
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ from pathlib import Path
 
 import torch
 
+from policies.dispatch import FallbackReason
+from policies.graph_policy import GraphPolicy
 from workers.config import parse_config
 from workers.default_model import BENCH_CONFIGS, random_model
 from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.sampling import SamplingParams, sample
 
 PROMPT_LEN = 128
+TENANT_DISABLED = FallbackReason.TENANT_DISABLED
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -47,12 +50,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def engine_tpot(model, batch_size: int, steps: int, warmup: int) -> list[float]:
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=batch_size, max_model_len=model.max_model_len))
+def make_engine(model, mode: str, compile: bool) -> LLMEngine:
+    policy = GraphPolicy(mode=mode, compile=compile)
+    config = EngineConfig(max_num_seqs=max(policy.decode_batch_buckets), max_model_len=model.max_model_len,
+                          graph_policy=policy)  # fmt: skip
+    return LLMEngine(model, config)
+
+
+def engine_tpot(engine: LLMEngine, batch_size: int, steps: int, warmup: int, denied: int = 0) -> list[float]:
+    """Per-step wall times of a decode-only batch; `denied` rows run without graph permission."""
     g = torch.Generator().manual_seed(batch_size)
-    for _ in range(batch_size):
-        prompt = torch.randint(0, model.cfg.vocab_size, (PROMPT_LEN,), generator=g).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=steps + warmup + 2, temperature=0.0))
+    seqs = []
+    for i in range(batch_size):
+        prompt = torch.randint(0, engine.model.cfg.vocab_size, (PROMPT_LEN,), generator=g).tolist()
+        params = SamplingParams(max_tokens=steps + warmup + 2, temperature=0.0)
+        seqs.append(engine.add_request(prompt, params, graph_denial=TENANT_DISABLED if i < denied else None))
     engine.step()  # prefill (and the first decode)
     times = []
     for i in range(warmup + steps):
@@ -62,7 +74,35 @@ def engine_tpot(model, batch_size: int, steps: int, warmup: int) -> list[float]:
         t1 = time.perf_counter()
         if i >= warmup:
             times.append((t1 - t0) * 1e3)
+    for seq in seqs:
+        engine.abort(seq.request_id)
     return times
+
+
+def step_breakdown(engine: LLMEngine, steps: int = 100) -> dict[str, float]:
+    """Where one full-graph bs-1 step goes: each phase timed on the host with a device sync after it."""
+    seq = engine.add_request(list(range(PROMPT_LEN)), SamplingParams(max_tokens=steps + 10, temperature=0.0))
+    engine.step()
+    runner = engine.runner
+    phases: dict[str, list[float]] = {"load_inputs": [], "replay": [], "sample_and_read": [], "whole_step": []}
+    for _ in range(steps):
+        tokens, positions, slots = engine._inputs([seq])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner._load(tokens, positions, slots, 1)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        logits = runner._replays[1]()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        sample(logits[:1], [seq.params], [seq.seed], [0])[0].item()
+        t3 = time.perf_counter()
+        engine.step()
+        t4 = time.perf_counter()
+        for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[name].append(value * 1e3)
+    engine.abort(seq.request_id)
+    return {name: statistics.median(values) for name, values in phases.items()}
 
 
 def hf_eager_tpot(name: str, batch_size: int, steps: int) -> float:
@@ -86,33 +126,56 @@ def hf_eager_tpot(name: str, batch_size: int, steps: int) -> float:
     run(4)
     short = statistics.median(run(1) for _ in range(3))
     long = statistics.median(run(steps + 1) for _ in range(3))
-    del hf
-    torch.cuda.empty_cache()
     return (long - short) / steps * 1e3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["1b"])
-    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager generate")
+    ap.add_argument("--compile-configs", nargs="*", default=[], help="configs to also run with compile: true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
-    rows = []
+    rows, captures, breakdowns = [], [], []
+
+    def record(name, mode, bs, times, floor_ms, **extra):
+        rows.append(dict(config=name, mode=mode, batch_size=bs, tpot_ms_median=statistics.median(times),
+                         tpot_ms_p99=percentile(times, 0.99), floor_ms=floor_ms, **extra))  # fmt: skip
+        print(rows[-1], flush=True)
+
     for name in args.configs:
         cfg = parse_config(BENCH_CONFIGS[name])
         floor_ms = cfg.weight_bytes() / bandwidth * 1e3
-        max_len = PROMPT_LEN + args.steps + args.warmup + 8
-        model = random_model(name, max_len, "cuda")
-        for bs in args.batch_sizes:
-            times = engine_tpot(model, bs, args.steps, args.warmup)
-            rows.append(dict(config=name, mode="eager", batch_size=bs, tpot_ms_median=statistics.median(times),
-                             tpot_ms_p99=percentile(times, 0.99), floor_ms=floor_ms))  # fmt: skip
-            print(rows[-1], flush=True)
+        model = random_model(name, PROMPT_LEN + args.steps + args.warmup + 8, "cuda")
+        variants = [("eager", False), ("piecewise", False), ("full", False)]
+        if name in args.compile_configs:
+            variants.append(("full", True))
+        for mode, compiled in variants:
+            t0 = time.perf_counter()
+            engine = make_engine(model, mode, compiled)
+            runner = engine.runner
+            captures.append(dict(config=name, mode=mode, compile=compiled, startup_s=time.perf_counter() - t0,
+                                 compile_s=runner.compile_s, buckets=runner.report(),
+                                 capture_s_total=sum(r.capture_s for r in runner.records.values()),
+                                 memory_mb_total=sum(r.memory_mb for r in runner.records.values())))  # fmt: skip
+            print({k: v for k, v in captures[-1].items() if k != "buckets"}, flush=True)
+            extra = {"compile": compiled} if mode == "full" else {}
+            for bs in args.batch_sizes:
+                record(name, mode, bs, engine_tpot(engine, bs, args.steps, args.warmup), floor_ms, **extra)
+            if mode == "full":
+                breakdowns.append(dict(config=name, compile=compiled, **step_breakdown(engine)))
+                print(breakdowns[-1], flush=True)
+            if mode == "full" and not compiled:
+                # The cost of a per-request graph denial: one of 8 rows eager beside a replay of 7.
+                record(name, mode, 8, engine_tpot(engine, 8, args.steps, args.warmup, denied=1), floor_ms,
+                       denied_rows=1, **extra)  # fmt: skip
+            del engine, runner
+            torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
         if args.hf:
@@ -123,7 +186,8 @@ def main() -> None:
                 print(rows[-1], flush=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_tb_s=bandwidth / 1e12,
                 prompt_len=PROMPT_LEN, steps=args.steps)  # fmt: skip
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    result = {"meta": meta, "rows": rows, "captures": captures, "step_breakdown_bs1": breakdowns}
+    Path(args.out).write_text(json.dumps(result, indent=1))
     print(markdown(meta, rows))
 
 
@@ -137,8 +201,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     ]
     for r in rows:
         p99 = f"{r['tpot_ms_p99']:.3f}" if r["tpot_ms_p99"] is not None else "-"
+        mode = r["mode"] + (" +compile" if r.get("compile") else "")
+        mode += " (1 of 8 rows denied)" if r.get("denied_rows") else ""
         lines.append(
-            f"| {r['config']} | {r['mode']} | {r['batch_size']} | {r['tpot_ms_median']:.3f} | {p99} | "
+            f"| {r['config']} | {mode} | {r['batch_size']} | {r['tpot_ms_median']:.3f} | {p99} | "
             f"{r['floor_ms']:.3f} | {r['tpot_ms_median'] / r['floor_ms']:.1f} |"
         )
     return "\n".join(lines)

@@ -8,9 +8,9 @@ import json
 import sys
 
 from workers.async_engine import AsyncEngine
+from workers.config import CheckpointError
 from workers.engine import EngineConfig, LLMEngine
 from workers.sampling import InvalidRequest, SamplingParams
-from workers.config import CheckpointError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

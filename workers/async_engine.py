@@ -9,15 +9,17 @@ the engine. Closing a stream early (a client that went away) cancels its request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from policies.dispatch import FallbackReason
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import LLMEngine, TokenEvent
-from workers.sampling import SamplingParams
+from workers.sampling import InvalidRequest, SamplingParams
 from workers.scheduler import QueueFull, Sequence
 
 log = logging.getLogger(__name__)
@@ -67,18 +69,25 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        graph_denial: FallbackReason | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Validate and enqueue now (raising InvalidRequest or QueueFull at once); stream later."""
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
         self.engine.scheduler.check_prompt(prompt_ids)
+        if request_id is not None and request_id in self._streams:
+            # a second sequence under one id would orphan the first's stream and KV slot
+            raise InvalidRequest(f"request id {request_id!r} is already in flight")
         with self._lock:
             if self._inflight >= self.engine.scheduler.capacity:
                 raise QueueFull(f"{self._inflight} requests in flight; the queue is full")
             self._inflight += 1
         self._loop = asyncio.get_running_loop()
-        seq = self.engine.new_sequence(prompt_ids, params, request_id)
+        seq = self.engine.new_sequence(prompt_ids, params, request_id, graph_denial)
         events: asyncio.Queue = asyncio.Queue()
         self._streams[seq.request_id] = events
         self._commands.put(("add", seq))
@@ -153,6 +162,10 @@ class AsyncEngine:
                     self._wake.clear()
                 if events:
                     self._loop.call_soon_threadsafe(self._deliver, events)
+            # shut down: streams still open would otherwise wait forever for their next event
+            with contextlib.suppress(RuntimeError):  # the event loop may already be closed
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the engine was shut down"))
         except BaseException as e:  # the loop must report any failure, then stop
             log.exception("engine loop failed")
             self.error = e

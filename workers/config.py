@@ -77,9 +77,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not supported:
         found = ", ".join(archs) or f"none (model_type={raw.get('model_type')!r})"
-        raise CheckpointError(
-            f"unsupported architecture: {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise CheckpointError(f"unsupported architecture: {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     family = SUPPORTED_ARCHITECTURES[supported[0]]
     missing = [
         k

@@ -11,9 +11,13 @@ from pathlib import Path
 
 import torch
 
+from policies.dispatch import EngineState, FallbackReason, split_by_permission
+from policies.graph_policy import GraphPolicy
+from workers.attention import make_backend
 from workers.checkpoint import load_model, load_tokenizer, model_revision
 from workers.config import DTYPES, load_config
 from workers.default_model import default_model_dir
+from workers.graph_runner import GraphRunner
 from workers.model import LlamaModel
 from workers.sampling import SamplingParams, sample
 from workers.scheduler import Scheduler, Sequence
@@ -29,6 +33,8 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     device: str = "auto"  # auto = cuda when present
     dtype: str | None = None  # None = the checkpoint's
+    attention_backend: str = "sdpa"
+    graph_policy: GraphPolicy = GraphPolicy()
 
 
 @dataclass
@@ -47,18 +53,45 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+    """Construction takes the engine through MODEL_LOADED -> EAGER_WARMED -> GRAPH_CAPTURED -> READY:
+    by the time it returns, every graph the policy allows is captured and verified."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        revision: str = "random",
+    ) -> None:
         self.model = model
         self.config = config
+        self.revision = revision
+        self.state = EngineState.MODEL_LOADED
         self.device = model.embed.weight.device
         self.max_model_len = model.max_model_len
         self.eos_token_ids = set(eos_token_ids)
+        model.attention_backend = make_backend(config.attention_backend)
         self.cache = model.make_kv_cache(config.max_num_seqs)
         self.scheduler = Scheduler(
-            config.max_num_seqs, self.max_model_len, config.max_waiting, config.max_prefill_tokens
+            config.max_num_seqs,
+            self.max_model_len,
+            config.max_waiting,
+            config.max_prefill_tokens,
+            vocab_size=model.cfg.vocab_size,
         )
-        self.stats = EngineStats()
-        self.revision = "random"
+        self.stats = EngineStats(revision, model.attention_backend.name)
+        self.runner = GraphRunner(model, self.cache, config.graph_policy)
+        try:
+            self.runner.warmup()
+            self.state = EngineState.EAGER_WARMED
+            if self.runner.enabled:
+                self.runner.capture()
+                self.state = EngineState.GRAPH_CAPTURED
+                self.runner.verify()
+        except Exception:
+            self.state = EngineState.FAILED
+            raise
+        self.state = EngineState.READY
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
@@ -72,21 +105,28 @@ class LLMEngine:
         eos = set(cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        engine = cls(model, config, tuple(sorted(eos)))
-        engine.revision = model_revision(model_dir)
-        return engine, tokenizer
+        return cls(model, config, tuple(sorted(eos)), model_revision(model_dir)), tokenizer
 
     def new_sequence(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        graph_denial: FallbackReason | None = None,
     ) -> Sequence:
-        """A request's state; unseeded requests get a random seed of their own here."""
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed)
+        """A request's state; unseeded requests get a random seed of their own here. A request with
+        a graph_denial (its tenant's reason) is never decoded by a graph replay."""
+        seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
+        return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, graph_denial=graph_denial)
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        graph_denial: FallbackReason | None = None,
     ) -> Sequence:
-        seq = self.new_sequence(prompt_ids, params, request_id)
+        seq = self.new_sequence(prompt_ids, params, request_id, graph_denial)
         self.scheduler.add(seq)
         return seq
 
@@ -127,12 +167,31 @@ class LLMEngine:
         self.stats.record_prefill(len(seqs), len(tokens))
 
     def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
-        tokens = self._tensor([s.output_ids[-1] for s in seqs])
-        positions = self._tensor([s.length - 1 for s in seqs])
-        slots = self._tensor([s.slot for s in seqs])
-        logits = self.model.decode(tokens, positions, slots, self.cache)
+        """One token for every running sequence. Rows whose request may not use graphs run eager
+        in a second call; the others still replay (they are not dragged to eager)."""
+        allowed, denied = split_by_permission([s.graph_denial for s in seqs])
+        if not denied:
+            logits = self._decode_rows(seqs)
+        else:
+            logits = torch.empty(len(seqs), self.model.cfg.vocab_size, device=self.device)
+            if allowed:
+                logits[allowed] = self._decode_rows([seqs[i] for i in allowed]).float()
+            rows = [i for group in denied.values() for i in group]
+            logits[rows] = self.runner.eager(*self._inputs([seqs[i] for i in rows])).float()
+            for reason, group in denied.items():
+                self.stats.record_step("eager", "none", reason.value, len(group), 0)
         self._accept(seqs, logits, events)
         self.stats.record_decode(len(seqs))
+
+    def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        logits, d = self.runner.decode(*self._inputs(seqs))
+        reason = d.reason.value if d.reason else "none"
+        self.stats.record_step(d.mode.value, d.bucket_id, reason, len(seqs), (d.bucket or len(seqs)) - len(seqs))
+        return logits
+
+    @staticmethod
+    def _inputs(seqs: list[Sequence]) -> tuple[list[int], list[int], list[int]]:
+        return [s.output_ids[-1] for s in seqs], [s.length - 1 for s in seqs], [s.slot for s in seqs]
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, events: dict[str, TokenEvent]) -> None:
         """Sample one token per sequence, record it, and retire sequences that are done."""

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.attention import make_backend
 from workers.config import ModelConfig
 from workers.kv_cache import KVCache
 from workers.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
@@ -92,8 +93,8 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder. Attention is split out of the layer loop (`attend` callables) so prefill and
-    decode share every other line, and so a piecewise runner can cut the step at attention."""
+    """The decoder. Each layer is split at attention (`pre_attention`, `post_attention`) so prefill
+    and decode share every other line, and so a piecewise runner can cut the step at attention."""
 
     def __init__(
         self,
@@ -101,6 +102,7 @@ class LlamaModel(nn.Module):
         max_model_len: int,
         tp: TPGroup | None = None,
         device: torch.device | str | None = None,
+        attention_backend: str = "sdpa",
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -119,6 +121,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", angles.cos().to(cfg.dtype).to(device), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(cfg.dtype).to(device), persistent=False)
         self.register_buffer("kv_index", torch.arange(max_model_len, device=device), persistent=False)
+        self.attention_backend = make_backend(attention_backend)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -159,37 +162,34 @@ class LlamaModel(nn.Module):
             return F.linear(h, self.embed.weight)
         return self.lm_head(h)
 
-    def _layers(self, tokens, positions, slot_ids, cache: KVCache, attend) -> torch.Tensor:
-        h = F.embedding(tokens, self.embed.weight)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        eps = self.cfg.rms_norm_eps
-        for i, block in enumerate(self.layers):
-            q, k, v = block.attn.project(rms_norm(h, block.input_norm.weight, eps), cos, sin)
-            cache.write(i, slot_ids, positions, k, v)
-            h = h + block.attn.o(attend(i, q, k, v))
-            h = h + block.mlp(rms_norm(h, block.post_attn_norm.weight, eps))
-        return h
+    def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """Hidden states and the rope cos/sin rows for these tokens."""
+        return F.embedding(tokens, self.embed.weight), self.rope_cos[positions], self.rope_sin[positions]
+
+    def pre_attention(self, i: int, h, cos, sin, slot_ids, positions, cache: KVCache):
+        """Layer i up to attention: norm, QKV, rope; stores this step's K/V; returns q, k, v."""
+        block = self.layers[i]
+        q, k, v = block.attn.project(rms_norm(h, block.input_norm.weight, self.cfg.rms_norm_eps), cos, sin)
+        cache.write(i, slot_ids, positions, k, v)
+        return q, k, v
+
+    def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer i after attention: output projection, residual, MLP, residual."""
+        block = self.layers[i]
+        h = h + block.attn.o(attn)
+        return h + block.mlp(rms_norm(h, block.post_attn_norm.weight, self.cfg.rms_norm_eps))
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """One token per row: tokens/positions/slot_ids of shape (rows,) -> logits (rows, vocab).
         Each row attends to its own slot, positions 0..position (inclusive, windowed if set)."""
-        rows = tokens.shape[0]
-        visible = self.kv_index[None, :] <= positions[:, None]
-        if self.cfg.sliding_window:
-            visible &= self.kv_index[None, :] > positions[:, None] - self.cfg.sliding_window
-        mask = visible[:, None, None, :]
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys, values = cache.read(layer, slot_ids)
-            kv_heads = keys.shape[1]
-            # GQA without copying K/V: the query heads sharing one KV head become its query rows.
-            q = q.view(rows, kv_heads, -1, q.shape[-1])
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            return out.reshape(rows, -1)
-
-        return self.logits(self._layers(tokens, positions, slot_ids, cache, attend))
+        meta = self.attention_backend.prepare(self.kv_index, positions, self.cfg.sliding_window)
+        h, cos, sin = self.embed_tokens(tokens, positions)
+        for i in range(len(self.layers)):
+            q, _, _ = self.pre_attention(i, h, cos, sin, slot_ids, positions, cache)
+            h = self.post_attention(i, h, self.attention_backend(q, cache.k[i], cache.v[i], slot_ids, meta))
+        return self.logits(h)
 
     def prefill(
         self,
@@ -203,7 +203,7 @@ class LlamaModel(nn.Module):
         each prompt's last token, (len(seq_lens), vocab). Attention runs per prompt, causal."""
         window = self.cfg.sliding_window
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
             for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens)):
                 n = qs.shape[0]
@@ -217,6 +217,9 @@ class LlamaModel(nn.Module):
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
             return torch.cat(outs)
 
-        h = self._layers(tokens, positions, slot_ids, cache, attend)
+        h, cos, sin = self.embed_tokens(tokens, positions)
+        for i in range(len(self.layers)):
+            q, k, v = self.pre_attention(i, h, cos, sin, slot_ids, positions, cache)
+            h = self.post_attention(i, h, attend(q, k, v))
         last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
         return self.logits(h[last])

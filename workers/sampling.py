@@ -43,8 +43,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            # the sampler holds seeds in int64: a larger one would crash the engine step, not this request
+            raise InvalidRequest(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
 
@@ -78,7 +79,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     values = values.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
     probs = values.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    values = values.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    # Rows without top-p keep everything: float rounding of the cumulative mass must not cut their tail.
+    values = values.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, values)
 
 

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from policies.dispatch import FallbackReason
 from workers.sampling import InvalidRequest, SamplingParams
 
 
@@ -30,6 +31,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
+    graph_denial: FallbackReason | None = None
 
     @property
     def length(self) -> int:
@@ -37,8 +39,16 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_waiting: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_waiting: int,
+        max_prefill_tokens: int,
+        vocab_size: int | None = None,
+    ) -> None:
         self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size  # when set, prompt ids outside [0, vocab_size) are rejected
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
@@ -53,9 +63,14 @@ class Scheduler:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens, more than max_model_len={self.max_model_len}"
             )
+        # an out-of-range id would fail inside the batched step and take every request down with it
+        if self.vocab_size is not None and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
 
     def add(self, seq: Sequence) -> None:
         self.check_prompt(seq.prompt_ids)
+        if self.find(seq.request_id) is not None:
+            raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
         if self.num_unfinished >= self.capacity:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_waiting={self.max_waiting})")
         self.waiting.append(seq)

@@ -22,8 +22,12 @@ def _summary(values: deque[float]) -> dict[str, float]:
 class EngineStats:
     """Updated by the engine thread, read from anywhere; recent latencies are kept in a window."""
 
-    def __init__(self, window: int = 10000) -> None:
+    def __init__(self, model_revision: str = "", attention_backend: str = "", window: int = 10000) -> None:
         self._lock = threading.Lock()
+        self.model_revision = model_revision
+        self.attention_backend = attention_backend
+        # (execution_mode, bucket_id, fallback_reason) -> [steps, rows, padding rows]
+        self.step_parts: dict[tuple[str, str, str], list[int]] = {}
         self.prefill_steps = 0
         self.decode_steps = 0
         self.prompt_tokens = 0
@@ -45,6 +49,14 @@ class EngineStats:
             self.generated_tokens += batch_size
             self.batch_sizes[batch_size] += 1
 
+    def record_step(self, mode: str, bucket_id: str, reason: str, rows: int, padding: int) -> None:
+        """One model call of a decode step (a split step makes two: graph rows and eager rows)."""
+        with self._lock:
+            counts = self.step_parts.setdefault((mode, bucket_id, reason), [0, 0, 0])
+            counts[0] += 1
+            counts[1] += rows
+            counts[2] += padding
+
     def record_finish(self, reason: str, ttft: float | None, tpot: float | None) -> None:
         with self._lock:
             self.finished_requests[reason] += 1
@@ -53,9 +65,42 @@ class EngineStats:
             if tpot is not None:
                 self.tpot_s.append(tpot)
 
+    def graph_summary(self) -> dict:
+        """Graph hit rate and fallback rate by reason (over decoded rows), padding waste (padding
+        rows over all rows replayed), and how many steps each bucket served."""
+        rows = sum(c[1] for c in self.step_parts.values()) or 1
+        graph = [(k, c) for k, c in self.step_parts.items() if k[0] != "eager"]
+        replayed = sum(c[1] + c[2] for _, c in graph)
+        by_reason: dict[str, int] = {}
+        by_bucket: dict[str, int] = {}
+        for (_, bucket, reason), c in self.step_parts.items():
+            if reason != "none":
+                by_reason[reason] = by_reason.get(reason, 0) + c[1]
+            by_bucket[bucket] = by_bucket.get(bucket, 0) + c[0]
+        return {
+            "graph_hit_rate": sum(c[1] for _, c in graph) / rows,
+            "fallback_rate": {r: n / rows for r, n in sorted(by_reason.items())},
+            "padding_waste": sum(c[2] for _, c in graph) / replayed if replayed else 0.0,
+            "steps_by_bucket": dict(sorted(by_bucket.items())),
+            "decode_step_parts": [
+                {
+                    "execution_mode": m,
+                    "bucket_id": b,
+                    "fallback_reason": r,
+                    "model_revision": self.model_revision,
+                    "attention_backend": self.attention_backend,
+                    "steps": c[0],
+                    "rows": c[1],
+                    "padding_rows": c[2],
+                }
+                for (m, b, r), c in sorted(self.step_parts.items())
+            ],  # fmt: skip
+        }
+
     def snapshot(self) -> dict:
         with self._lock:
             return {
+                **self.graph_summary(),
                 "prefill_steps": self.prefill_steps,
                 "decode_steps": self.decode_steps,
                 "prompt_tokens": self.prompt_tokens,

@@ -1,0 +1,51 @@
+"""The CUDA-graph policy: what to capture and how much memory graphs may take.
+
+Validated by pydantic; an invalid value fails with a message that names the field. Loaded from the
+`cuda_graph_policy` section of a YAML file or from a plain dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class GraphPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["full", "piecewise", "eager"] = "full"
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    capture_prefill: Literal[False] = Field(False, description="prefill always runs eager (not captured)")
+    max_cached_graphs: int = Field(6, ge=0)
+    graph_memory_budget_mb: float = Field(2048, ge=0)
+    fallback_mode: Literal["eager"] = "eager"
+    capture_on_startup: bool = True
+    compile: bool = False
+
+    @field_validator("decode_batch_buckets")
+    @classmethod
+    def _buckets_ascending(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v:
+            raise ValueError("needs at least one bucket")
+        if any(b < 1 for b in v):
+            raise ValueError("bucket sizes must be >= 1")
+        if list(v) != sorted(set(v)):
+            raise ValueError("bucket sizes must be strictly increasing")
+        return v
+
+    @model_validator(mode="after")
+    def _compile_needs_full(self) -> GraphPolicy:
+        if self.compile and self.mode != "full":
+            raise ValueError("compile: true needs mode: full (piecewise pieces are not compiled)")
+        return self
+
+
+def load_policy(source: str | Path | dict[str, Any] | None) -> GraphPolicy:
+    """From a YAML path, a dict (with or without the `cuda_graph_policy` key), or defaults."""
+    if source is None:
+        return GraphPolicy()
+    raw = source if isinstance(source, dict) else yaml.safe_load(Path(source).read_text()) or {}
+    return GraphPolicy.model_validate(raw.get("cuda_graph_policy", raw))

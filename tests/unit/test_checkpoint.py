@@ -1,0 +1,169 @@
+"""Checkpoint loading: what loads (sharded, bf16/fp16, dtype override) and how each unservable
+directory is refused: always a CheckpointError whose message names the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.unit.conftest import write_tiny_checkpoint
+from workers.checkpoint import TOKENIZER_FILES, load_model, load_tokenizer
+from workers.config import SUPPORTED_ARCHITECTURES, CheckpointError, parse_config
+from workers.default_model import tiny_hf_config
+
+MAX_LEN = 64
+
+
+def write_config(path, **overrides) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**tiny_hf_config(261), **overrides}))
+
+
+def refused(model_dir) -> str:
+    """Load `model_dir`, expect a CheckpointError, and return its message."""
+    with pytest.raises(CheckpointError) as info:
+        load_model(model_dir, max_model_len=MAX_LEN)
+    return str(info.value)
+
+
+@torch.no_grad()
+def prefill_logits(model) -> torch.Tensor:
+    tokens = torch.tensor([1, 50, 7, 200, 33, 9, 120])
+    n = tokens.numel()
+    return model.prefill(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), [n], model.make_kv_cache(1))
+
+
+def test_missing_directory(tmp_path):
+    """A path that does not exist is refused, naming the path."""
+    msg = refused(tmp_path / "no-such-model")
+    assert "no-such-model" in msg and "not a directory" in msg
+
+
+def test_missing_config_json(tmp_path):
+    """A directory without config.json is refused, naming config.json."""
+    assert "missing config.json" in refused(tmp_path)
+
+
+def test_invalid_config_json(tmp_path):
+    """A config.json that is not JSON is refused as such (not a bare JSONDecodeError)."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    msg = refused(tmp_path)
+    assert "config.json" in msg and "not valid JSON" in msg
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
+    """An architecture we cannot serve is named, together with every one we can."""
+    write_config(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    msg = refused(tmp_path)
+    assert "unsupported architecture" in msg and "GPT2LMHeadModel" in msg
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in msg
+
+
+def test_unsupported_hidden_act(tmp_path):
+    """hidden_act other than silu is refused, naming the activation found."""
+    write_config(tmp_path, hidden_act="gelu")
+    msg = refused(tmp_path)
+    assert "hidden_act" in msg and "gelu" in msg and "silu" in msg
+
+
+def test_unsupported_rope_type(tmp_path):
+    """A RoPE scaling we do not implement (yarn) is refused rather than silently served wrong."""
+    write_config(tmp_path, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    msg = refused(tmp_path)
+    assert "rope" in msg and "yarn" in msg
+
+
+def test_rope_v4_and_v5_spellings_parse_alike():
+    """`rope_theta` + `rope_scaling` (transformers v4) and `rope_parameters` (v5) give one config."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+    base = {k: v for k, v in tiny_hf_config(261).items() if k != "rope_parameters"}
+    v4 = parse_config({**base, "rope_theta": 500000.0, "rope_scaling": scaling})
+    v5 = parse_config({**base, "rope_parameters": {**scaling, "rope_theta": 500000.0}})
+    assert v4 == v5
+    assert v5.rope_theta == 500000.0 and v5.rope_type == "llama3" and v5.rope_scaling["factor"] == 8.0
+
+
+def test_only_pytorch_bin_hints_to_convert(tmp_path):
+    """A checkpoint with only pytorch_model.bin is refused, naming it and hinting at safetensors."""
+    write_tiny_checkpoint(tmp_path)
+    torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    msg = refused(tmp_path)
+    assert "pytorch_model.bin" in msg and "convert" in msg and "safetensors" in msg
+
+
+def test_missing_weight_is_named(tmp_path):
+    """A tensor the model needs but the safetensors lacks is named in the error."""
+    write_tiny_checkpoint(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert "model.layers.1.mlp.down_proj.weight" in refused(tmp_path)
+
+
+def test_sharded_checkpoint_loads_like_unsharded(tmp_path):
+    """The same weights written as several shards with an index load to identical parameters and
+    bit-identical logits."""
+    sharded = write_tiny_checkpoint(tmp_path / "sharded", seed=3, max_shard_tensors=5)
+    single = write_tiny_checkpoint(tmp_path / "single", seed=3)
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    assert not (sharded / "model.safetensors").exists()
+
+    a = load_model(sharded, max_model_len=MAX_LEN)
+    b = load_model(single, max_model_len=MAX_LEN)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert torch.equal(prefill_logits(a), prefill_logits(b))
+
+
+def test_index_naming_missing_shard_is_refused(tmp_path):
+    """An index that points at a shard file that is not there is refused, naming that file."""
+    write_tiny_checkpoint(tmp_path, max_shard_tensors=5)
+    gone = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    gone.unlink()
+    msg = refused(tmp_path)
+    assert gone.name in msg and "missing" in msg
+
+
+HALF = [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+
+
+@pytest.mark.parametrize("name, dtype", HALF, ids=["bf16", "fp16"])
+def test_half_precision_checkpoints_load_in_their_dtype(tmp_path, name, dtype):
+    """A bf16/fp16 checkpoint loads in that dtype with its exact values; dtype=float32 overrides
+    the checkpoint's dtype (weights upcast exactly) and still runs."""
+    write_tiny_checkpoint(tmp_path, dtype=name)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["model.embed_tokens.weight"].dtype == dtype
+
+    model = load_model(tmp_path, max_model_len=MAX_LEN)
+    assert model.cfg.dtype == dtype
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert model.make_kv_cache(1).k.dtype == dtype
+    assert torch.equal(model.embed.weight, stored["model.embed_tokens.weight"])
+    assert prefill_logits(model).dtype == dtype
+
+    wide = load_model(tmp_path, max_model_len=MAX_LEN, dtype=torch.float32)
+    assert wide.cfg.dtype == torch.float32
+    assert {p.dtype for p in wide.parameters()} == {torch.float32}
+    assert torch.equal(wide.embed.weight, stored["model.embed_tokens.weight"].float())
+    assert torch.equal(wide.lm_head.weight, stored["lm_head.weight"].float())
+    logits = prefill_logits(wide)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_missing_tokenizer_names_files_looked_for(tmp_path):
+    """load_tokenizer on a checkpoint without tokenizer files names each file it looked for."""
+    write_tiny_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        load_tokenizer(tmp_path)
+    msg = str(info.value)
+    assert "no tokenizer files" in msg
+    for name in TOKENIZER_FILES:
+        assert name in msg

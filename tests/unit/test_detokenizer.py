@@ -1,0 +1,216 @@
+"""Incremental detokenization with the default (byte-level) tokenizer: streamed text equals the full
+decode, multi-byte characters are never split, and stop strings cut the text exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.unit.engine_fixtures import load_tiny
+from workers.detokenizer import IncrementalDetokenizer
+
+MIXED = "Hi é€中😀 ok, ünïcödé ∑ 𝄞 end"
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    return load_tiny(tmp_path_factory).tokenizer
+
+
+def enc(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> tuple[list[str], bool]:
+    """Feed chunks until a stop string hits; returns the pieces handed out and whether it hit."""
+    pieces = []
+    for chunk in chunks:
+        text, hit = detok.add(chunk)
+        pieces.append(text)
+        if hit:
+            return pieces, True
+    pieces.append(detok.flush())
+    return pieces, False
+
+
+def test_byte_tokenizer_splits_multibyte_characters(tokenizer):
+    """Precondition of the tests below: each UTF-8 byte is its own token, so a multi-byte character
+    always spans several tokens."""
+    ids = enc(tokenizer, MIXED)
+    assert len(ids) == len(MIXED.encode())
+    assert len(ids) > len(MIXED)
+
+
+def test_token_by_token_equals_full_decode_without_replacement_chars(tokenizer):
+    """Feeding one token at a time, the pieces concatenate to the full decode; no piece ever holds
+    U+FFFD (a half character); a piece appears exactly when a character completes."""
+    ids = enc(tokenizer, MIXED)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = []
+    for i, t in enumerate(ids):
+        text, hit = detok.add([t])
+        assert not hit
+        assert "\ufffd" not in text
+        complete = tokenizer.decode(ids[: i + 1])
+        if not complete.endswith("\ufffd"):
+            assert "".join(pieces) + text == complete  # nothing held back once a character is whole
+        pieces.append(text)
+    assert detok.flush() == ""
+    assert "".join(pieces) == tokenizer.decode(ids) == MIXED
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_chunking_equals_full_decode(tokenizer, seed):
+    """Any split of the ids into chunks streams the same text as decoding them all at once."""
+    rng = random.Random(seed)
+    ids = enc(tokenizer, MIXED * 2)
+    chunks, i = [], 0
+    while i < len(ids):
+        n = rng.randint(0, 5)  # empty chunks too (steps that brought no token for this request)
+        chunks.append(ids[i : i + n])
+        i += n
+    pieces, hit = stream(IncrementalDetokenizer(tokenizer), chunks)
+    assert not hit
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == MIXED * 2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_arbitrary_bytes_and_specials_equal_full_decode(tokenizer, seed):
+    """Whatever a model emits (invalid UTF-8, stray continuation bytes, special tokens), the streamed
+    text plus the final flush equals tokenizer.decode(all ids, skip_special_tokens=True)."""
+    rng = random.Random(100 + seed)
+    vocab = len(tokenizer)
+    ids = [rng.randrange(vocab) if rng.random() < 0.1 else rng.randrange(128, 256) for _ in range(60)]
+    ids += enc(tokenizer, "tail€")[: rng.randint(1, 6)]  # maybe end mid-character
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add([t])[0] for t in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_skipped(tokenizer):
+    """BOS/EOS/chat tokens in the stream produce no text."""
+    ids = [*enc(tokenizer, "ab"), tokenizer.eos_token_id, tokenizer.bos_token_id, *enc(tokenizer, "c")]
+    pieces, _ = stream(IncrementalDetokenizer(tokenizer), [[t] for t in ids])
+    assert "".join(pieces) == "abc"
+
+
+def test_flush_emits_incomplete_character_at_end(tokenizer):
+    """A stream that ends mid-character is flushed as the tokenizer would decode it (U+FFFD), not
+    silently dropped."""
+    ids = enc(tokenizer, "x€")[:-1]
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add([t])[0] for t in ids] == ["x", "", ""]
+    assert detok.flush() == tokenizer.decode(ids)[1:] == "\ufffd"
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def test_stop_string_cuts_text_before_it(tokenizer):
+    """Text is cut right before the stop string; the call that completes it reports the hit."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("world",))
+    pieces, hit = stream(detok, [[t] for t in enc(tokenizer, "Hello world and more")])
+    assert hit
+    assert "".join(pieces) == "Hello "
+    assert len(pieces) == len("Hello world")  # it stopped at the token that completed "world"
+
+
+def test_stop_inside_one_chunk(tokenizer):
+    """A stop string wholly inside one addition cuts there, dropping what follows it."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    assert detok.add(enc(tokenizer, "abc STOP def")) == ("abc ", True)
+
+
+def test_partial_stop_prefix_is_held_back(tokenizer):
+    """A tail that could still become a stop string is not emitted early; once it can no longer
+    match, it is released."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("abc",))
+    assert detok.add(enc(tokenizer, "xa")) == ("x", False)
+    assert detok.add(enc(tokenizer, "b")) == ("", False)
+    assert detok.add(enc(tokenizer, "d")) == ("abd", False)
+    assert detok.add(enc(tokenizer, "ab")) == ("", False)
+    assert detok.flush() == "ab"  # the stream ended without a stop: the held tail is released
+
+
+def test_stop_spanning_two_additions(tokenizer):
+    """A stop string whose first half arrived in one step and second half in the next is found, and
+    the text before it that was held back is not lost."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    assert detok.add(enc(tokenizer, "foo ST")) == ("foo ", False)
+    assert detok.add(enc(tokenizer, "OP bar")) == ("", True)
+    detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    assert detok.add(enc(tokenizer, "foo S")) == ("foo ", False)
+    assert detok.add(enc(tokenizer, "xSTO")) == ("Sx", False)
+    assert detok.add(enc(tokenizer, "P!")) == ("", True)
+
+
+def test_overlapping_stop_prefix(tokenizer):
+    """With stop 'aab' and text 'aaab', the first 'a' is emitted and the stop found after it."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("aab",))
+    pieces, hit = stream(detok, [[t] for t in enc(tokenizer, "aaab")])
+    assert hit and "".join(pieces) == "a"
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    """With several stop strings, the text is cut at the one that starts first."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("END", "x"))
+    assert detok.add(enc(tokenizer, "abc END x")) == ("abc ", True)
+    detok = IncrementalDetokenizer(tokenizer, stop=("END", "c E"))
+    assert detok.add(enc(tokenizer, "abc END")) == ("ab", True)
+
+
+def test_stop_at_start_emits_nothing(tokenizer):
+    """A completion that begins with the stop string yields no text."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("<<",))
+    pieces, hit = stream(detok, [[t] for t in enc(tokenizer, "<<rest")])
+    assert hit and "".join(pieces) == ""
+
+
+def test_multibyte_stop_string(tokenizer):
+    """A stop string made of multi-byte characters is matched once its bytes complete."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("€中",))
+    pieces, hit = stream(detok, [[t] for t in enc(tokenizer, "price: 5€中 more")])
+    assert hit and "".join(pieces) == "price: 5"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_no_stop_flush_returns_the_rest(tokenizer):
+    """Without a stop string match, streamed pieces plus flush give the whole text, including a
+    trailing proper prefix of a stop string."""
+    text = "one two thr"
+    detok = IncrementalDetokenizer(tokenizer, stop=("three", "zzz"))
+    pieces, hit = stream(detok, [[t] for t in enc(tokenizer, text)])
+    assert not hit
+    assert pieces[-1] == "thr"  # held back until the end, then flushed
+    assert "".join(pieces) == text
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stop_random_chunks_match_reference(tokenizer, seed):
+    """For random text, stop strings and chunkings, the streamed output equals the reference: after
+    the first chunk whose arrival makes some stop string appear in the text so far, that text cut at
+    the earliest such occurrence (or, with no stop, the whole text)."""
+    rng = random.Random(seed)
+    alphabet = "ab é€"
+    text = "".join(rng.choice(alphabet) for _ in range(80))
+    stops = tuple({text[i : i + rng.randint(1, 4)] for i in rng.sample(range(70), rng.randint(0, 3))} | {"zz"})
+    ids = enc(tokenizer, text)
+    chunks, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        chunks.append(ids[i : i + n])
+        i += n
+    pieces, hit = stream(IncrementalDetokenizer(tokenizer, stop=stops), chunks)
+    ref, ref_hit, seen = text, False, []
+    for chunk in chunks:
+        seen += chunk
+        so_far = tokenizer.decode(seen).rstrip("\ufffd")  # whole characters only
+        found = [so_far.find(s) for s in stops if s in so_far]
+        if found:
+            ref, ref_hit = so_far[: min(found)], True
+            break
+    assert hit == ref_hit
+    assert "".join(pieces) == ref

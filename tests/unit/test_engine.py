@@ -1,0 +1,522 @@
+"""The engine end to end on CPU with the embedded tiny model: continuous batching gives the same
+tokens as running alone, limits and stops end requests correctly, cancellation and failures free
+resources, and the stats agree with what was streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, run_sync
+from workers.async_engine import AsyncEngine, EngineDeadError
+from workers.engine import LLMEngine
+from workers.sampling import InvalidRequest, SamplingParams
+from workers.scheduler import QueueFull
+
+pytestmark = pytest.mark.timeout(60)
+BOS = 256
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+@pytest.fixture
+async def start(tiny):
+    """start(engine) -> a running AsyncEngine; every one is shut down after the test."""
+    runners: list[AsyncEngine] = []
+
+    def make(engine: LLMEngine) -> AsyncEngine:
+        runner = AsyncEngine(engine, tiny.tokenizer).start()
+        runners.append(runner)
+        return runner
+
+    yield make
+    for runner in runners:
+        runner.shutdown()
+        assert not runner._thread.is_alive()
+
+
+@dataclass
+class Result:
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    events: int = 0
+
+
+async def collect(stream, first_event: asyncio.Event | None = None) -> Result:
+    """Drain a stream, checking that only its last event carries a finish reason."""
+    r = Result()
+    async for ev in stream:
+        assert r.reason is None, "event after the final one"
+        r.ids += ev.token_ids
+        r.text += ev.text
+        r.reason = ev.finish_reason
+        r.prompt_tokens, r.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+        r.events += 1
+        if first_event is not None:
+            first_event.set()
+    return r
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [BOS] + [rng.randrange(256) for _ in range(n - 1)]
+
+
+def slow_steps(monkeypatch, engine: LLMEngine, seconds: float = 0.02) -> None:
+    """Make each engine step take a while, so a request is still running when a test acts on it."""
+    step = engine.step
+
+    def slow():
+        events = step()
+        time.sleep(seconds)
+        return events
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
+async def wait_until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def all_slots_free(engine: LLMEngine) -> bool:
+    return sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs))
+
+
+def mixed_requests(seed: int, n: int, **params) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    return [
+        (prompt(rng, rng.randint(2, 30)), SamplingParams(max_tokens=rng.randint(1, 25), **params)) for _ in range(n)
+    ]
+
+
+# ---------------------------------------------------------------- batching equals running alone
+
+
+def test_sync_batching_matches_solo_runs(tiny):
+    """16 greedy requests of different lengths through 6 slots (queueing, slot reuse with stale KV
+    from the previous owner) produce exactly the tokens each produces alone."""
+    requests = mixed_requests(0, 16, temperature=0.0)
+    engine = new_engine(tiny, max_num_seqs=6)
+    seqs = run_sync(engine, requests)
+    for (p, params), s in zip(requests, seqs):
+        assert (s.output_ids, s.finish_reason) == run_alone(tiny, p, params)
+    assert all_slots_free(engine) and not engine.scheduler.waiting and not engine.scheduler.running
+    assert max(engine.stats.snapshot()["decode_batch_sizes"]) == 6
+
+
+async def test_concurrent_streams_match_solo_runs(tiny, start):
+    """16 concurrent greedy streams through AsyncEngine with 6 slots: every stream ends with the
+    solo run's finish reason, token ids, counts and text; batches of several rows really formed,
+    slots were reused (at least 3 admission rounds), and every slot is free at the end."""
+    requests = mixed_requests(1, 16, temperature=0.0)
+    solo = [run_alone(tiny, p, params) for p, params in requests]
+    engine = new_engine(tiny, max_num_seqs=6)
+    runner = start(engine)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(collect(runner.submit(p, params)) for p, params in requests)), timeout=30
+    )
+    for (p, params), (ids, reason), r in zip(requests, solo, results):
+        assert r.ids == ids
+        assert r.reason == reason
+        assert r.completion_tokens == len(ids) and r.prompt_tokens == len(p)
+        assert r.text == tiny.tokenizer.decode(ids, skip_special_tokens=True)
+        if reason == "length":
+            assert len(ids) == params.max_tokens
+    snap = engine.stats.snapshot()
+    sizes = snap["decode_batch_sizes"]
+    assert max(sizes) > 1 and max(sizes) <= 6
+    assert snap["prefill_steps"] >= 3  # 16 requests through 6 slots: at least 3 admission rounds
+    assert sum(snap["finished_requests"].values()) == 16
+    await wait_until(lambda: all_slots_free(engine))
+
+
+async def test_seeded_sampling_same_alone_or_batched(tiny, start):
+    """A seeded sampled request draws the same tokens alone and batched with other sampled,
+    greedy and unseeded requests; two copies of it in one batch agree; another seed differs."""
+    rng = random.Random(2)
+    p = prompt(rng, 9)
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    other_seed = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=4321, ignore_eos=True)
+    mates = [
+        (prompt(rng, 5), SamplingParams(max_tokens=15, temperature=1.3, seed=7)),
+        (prompt(rng, 17), SamplingParams(max_tokens=25, temperature=0.0)),
+        (prompt(rng, 3), SamplingParams(max_tokens=12, temperature=0.7, top_k=3)),
+        (prompt(rng, 11), SamplingParams(max_tokens=30, temperature=1.0, top_p=0.5, seed=2**63 - 1)),
+    ]
+    alone, _ = run_alone(tiny, p, params)
+    assert len(alone) == 20
+    runner = start(new_engine(tiny, max_num_seqs=4))
+    batch = [mates[0], (p, params), mates[1], mates[2], (p, params), mates[3], (p, other_seed)]
+    results = await asyncio.wait_for(asyncio.gather(*(collect(runner.submit(q, s)) for q, s in batch)), 30)
+    assert results[1].ids == alone
+    assert results[4].ids == alone
+    assert results[6].ids != alone
+    assert results[0].ids == run_alone(tiny, *mates[0])[0]
+    assert results[5].ids == run_alone(tiny, *mates[3])[0]
+
+
+# ---------------------------------------------------------------- limits and stops
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 9])
+def test_max_tokens_respected(tiny, max_tokens):
+    """A request yields exactly max_tokens tokens (EOS ignored) and finishes with 'length'."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    (s,) = run_sync(engine, [(prompt(random.Random(3), 6), params)])
+    assert len(s.output_ids) == max_tokens and s.finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt_len", [60, 63, 64])
+def test_max_model_len_stops_with_length(tiny, prompt_len):
+    """A sequence stops with 'length' when prompt + output reaches max_model_len, well before its
+    max_tokens; a prompt of exactly max_model_len still yields its one token."""
+    m = tiny.max_model_len
+    assert m == 64
+    engine = new_engine(tiny, max_num_seqs=2)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    short = (prompt(random.Random(5), 4), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    s, other = run_sync(engine, [(prompt(random.Random(4), prompt_len), params), short])
+    assert s.finish_reason == "length"
+    assert len(s.output_ids) == max(1, m - prompt_len)
+    assert other.output_ids == run_alone(tiny, *short)[0]  # its batch mate is unaffected
+
+
+def test_stop_token_ids_stop_without_emitting(tiny):
+    """A token in stop_token_ids ends the request with 'stop' and is not part of the output."""
+    p = prompt(random.Random(6), 8)
+    free, _ = run_alone(tiny, p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    k = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    ids, reason = run_alone(tiny, p, SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(free[k],)))
+    assert reason == "stop"
+    assert ids == free[:k]
+
+
+def _find_eos_prompt(tiny) -> tuple[list[int], SamplingParams]:
+    """A (prompt, seeded params) whose run draws EOS early."""
+    rng = random.Random(7)
+    for i in range(300):
+        params = SamplingParams(max_tokens=30, temperature=1.0, seed=i)
+        p = prompt(rng, rng.randint(2, 10))
+        if run_alone(tiny, p, params)[1] == "stop":
+            return p, params
+    pytest.fail("no prompt of the tiny model draws EOS")
+
+
+def test_eos_stops_unless_ignored(tiny):
+    """Drawing EOS ends the request with 'stop' and EOS is not emitted; with ignore_eos the same
+    draw is emitted and generation continues."""
+    p, params = _find_eos_prompt(tiny)
+    ids, reason = run_alone(tiny, p, params)
+    assert reason == "stop" and not set(ids) & set(tiny.eos_token_ids)
+    more, reason = run_alone(tiny, p, SamplingParams(**{**params.__dict__, "ignore_eos": True}))
+    assert reason == "length" and len(more) == params.max_tokens
+    assert more[: len(ids)] == ids and more[len(ids)] in tiny.eos_token_ids
+
+
+def _stop_string_case(tiny) -> tuple[list[int], list[int], str, int]:
+    """A prompt whose greedy text has a clean two-character substring first occurring a few
+    characters in: (prompt, greedy ids, stop string, its index in the text)."""
+    rng = random.Random(8)
+    for _ in range(50):
+        p = prompt(rng, 5)
+        ids, _ = run_alone(tiny, p, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        text = tiny.tokenizer.decode(ids, skip_special_tokens=True)
+        for i in range(3, 12):
+            stop = text[i : i + 2]
+            if stop.isprintable() and "\ufffd" not in stop and len(stop) == 2 and text.find(stop) == i:
+                return p, ids, stop, i
+    pytest.fail("no usable stop string in the greedy outputs")
+
+
+async def test_stop_string_cuts_text_and_frees_slot(tiny, start, monkeypatch):
+    """A stop string taken from the greedy output cuts the streamed text right before it, ends the
+    stream with 'stop', and the request is aborted in the engine (slot freed) long before its
+    max_tokens."""
+    p, ids, stop, i = _stop_string_case(tiny)
+    text = tiny.tokenizer.decode(ids, skip_special_tokens=True)
+    engine = new_engine(tiny, max_num_seqs=2)
+    slow_steps(monkeypatch, engine)
+    runner = start(engine)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, stop=(stop,))
+    r = await asyncio.wait_for(collect(runner.submit(p, params)), 30)
+    assert r.reason == "stop"
+    assert r.text == text[:i]
+    assert r.ids == ids[: len(r.ids)] and len(r.ids) < 50
+    await wait_until(lambda: all_slots_free(engine))
+    assert engine.stats.snapshot()["finished_requests"] == {"abort": 1}
+
+
+# ---------------------------------------------------------------- rejection
+
+
+async def test_submit_rejects_bad_prompts_immediately(tiny, start):
+    """A prompt longer than max_model_len (or empty) raises InvalidRequest from submit() itself,
+    naming max_model_len; nothing is queued and the engine keeps serving."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    runner = start(engine)
+    with pytest.raises(InvalidRequest, match="max_model_len=64"):
+        runner.submit(list(range(65)), SamplingParams())
+    with pytest.raises(InvalidRequest):
+        runner.submit([], SamplingParams())
+    assert engine.scheduler.num_unfinished == 0
+    r = await asyncio.wait_for(collect(runner.submit([BOS, 1, 2], SamplingParams(max_tokens=3, ignore_eos=True))), 30)
+    assert r.reason == "length" and len(r.ids) == 3
+
+
+async def test_submit_rejects_out_of_vocab_prompt(tiny, start):
+    """A prompt id outside the vocabulary is an InvalidRequest at submit(), not an IndexError in the
+    step that kills the engine for every request; the sync add_request rejects it too."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    runner = start(engine)
+    vocab = tiny.model.cfg.vocab_size
+    for bad in ([BOS, vocab], [BOS, -1]):
+        with pytest.raises(InvalidRequest, match="token ids"):
+            runner.submit(bad, SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequest):
+            new_engine(tiny, max_num_seqs=1).add_request(bad, SamplingParams(max_tokens=2))
+    r = await asyncio.wait_for(collect(runner.submit([BOS, vocab - 1], SamplingParams(max_tokens=2))), 30)
+    assert r.reason in ("length", "stop") and runner.alive
+
+
+async def test_duplicate_request_id_rejected(tiny, start, monkeypatch):
+    """submit() with the id of a request still in flight raises InvalidRequest; the first request is
+    unaffected (its stream completes, its slot comes back) and the id is reusable afterwards."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    slow_steps(monkeypatch, engine, 0.005)
+    runner = start(engine)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = runner.submit([BOS, 1, 2], params, request_id="req-1")
+    with pytest.raises(InvalidRequest, match="req-1"):
+        runner.submit([BOS, 3, 4], params, request_id="req-1")
+    r = await asyncio.wait_for(collect(first), 30)
+    assert (r.ids, r.reason) == run_alone(tiny, [BOS, 1, 2], params)
+    await wait_until(lambda: all_slots_free(engine))
+    again = await asyncio.wait_for(collect(runner.submit([BOS, 3, 4], params, request_id="req-1")), 30)
+    assert again.reason == "length" and len(again.ids) == 6
+
+
+async def test_queue_full_over_capacity(tiny, start):
+    """Once max_num_seqs + max_waiting requests are in flight, submit() raises QueueFull; when they
+    finish there is room again."""
+    engine = new_engine(tiny, max_num_seqs=2, max_waiting=2)
+    runner = start(engine)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    streams = [runner.submit([BOS, i + 1], params) for i in range(4)]
+    with pytest.raises(QueueFull):
+        runner.submit([BOS, 9], params)
+    results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 30)
+    assert all(r.reason == "length" for r in results)
+    r = await asyncio.wait_for(collect(runner.submit([BOS, 9], params)), 30)
+    assert len(r.ids) == 4
+
+
+def test_sync_abort_running_and_waiting(tiny):
+    """LLMEngine.abort ends a running or a waiting request ('abort'), frees the slot, and the other
+    requests still finish with their solo tokens; unknown ids answer False."""
+    engine = new_engine(tiny, max_num_seqs=1)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reqs = [(prompt(random.Random(9 + i), 5), params) for i in range(3)]
+    a, b, c = (engine.add_request(p, s) for p, s in reqs)
+    engine.step()
+    assert a.slot == 0 and len(a.output_ids) > 0
+    assert engine.abort(b.request_id)  # waiting
+    assert engine.abort(a.request_id)  # running
+    assert not engine.abort(a.request_id) and not engine.abort("nope")
+    assert (a.finish_reason, b.finish_reason) == ("abort", "abort")
+    while engine.has_work():
+        engine.step()
+    assert c.output_ids == run_alone(tiny, *reqs[2])[0] and c.slot == 0
+    assert engine.stats.snapshot()["finished_requests"] == {"abort": 2, "length": 1}
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+async def test_closing_stream_early_frees_slot(tiny, start, monkeypatch):
+    """Breaking out of a stream and closing it aborts the request in the engine: its slot comes back
+    while it still had tokens to go, and the other requests complete with their solo tokens."""
+    engine = new_engine(tiny, max_num_seqs=3)
+    slow_steps(monkeypatch, engine)
+    runner = start(engine)
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    others = [(prompt(random.Random(20 + i), 6), SamplingParams(max_tokens=10, temperature=0.0)) for i in range(2)]
+    tasks = [asyncio.create_task(collect(runner.submit(p, s))) for p, s in others]
+    stream = runner.submit(prompt(random.Random(10), 6), long)
+    got = 0
+    async for ev in stream:
+        got += len(ev.token_ids)
+        if got:
+            break
+    await stream.aclose()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    for (p, s), r in zip(others, results):
+        assert (r.ids, r.reason) == run_alone(tiny, p, s)
+    await wait_until(lambda: all_slots_free(engine))
+    snap = engine.stats.snapshot()
+    assert snap["finished_requests"].get("abort") == 1
+    assert snap["generated_tokens"] < 50 + 20
+
+
+async def test_cancelling_consumer_task_frees_slot(tiny, start, monkeypatch):
+    """Cancelling the task that consumes a stream (a client gone) aborts its request in the engine."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    slow_steps(monkeypatch, engine)
+    runner = start(engine)
+    first = asyncio.Event()
+    task = asyncio.create_task(
+        collect(runner.submit([BOS, 5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True)), first)
+    )
+    await asyncio.wait_for(first.wait(), 10)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: all_slots_free(engine) and not engine.has_work())
+    assert engine.stats.snapshot()["finished_requests"] == {"abort": 1}
+    # the engine is still fine: a new request completes
+    r = await asyncio.wait_for(collect(runner.submit([BOS, 1], SamplingParams(max_tokens=2, ignore_eos=True))), 30)
+    assert r.reason == "length"
+
+
+async def test_cancelling_waiting_request(tiny, start, monkeypatch):
+    """A request cancelled while still queued (all slots busy) is dropped from the queue; the running
+    one is untouched."""
+    engine = new_engine(tiny, max_num_seqs=1)
+    slow_steps(monkeypatch, engine)
+    runner = start(engine)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    first_prompt = [BOS, 3, 4]
+    running = asyncio.create_task(collect(runner.submit(first_prompt, params)))
+    waiting = asyncio.create_task(collect(runner.submit([BOS, 8, 9], params)))
+    await wait_until(lambda: len(engine.scheduler.waiting) == 1)
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    await wait_until(lambda: not engine.scheduler.waiting)
+    r = await asyncio.wait_for(running, 30)
+    assert (r.ids, r.reason) == run_alone(tiny, first_prompt, params)
+    assert engine.stats.snapshot()["finished_requests"] == {"length": 1, "abort": 1}
+
+
+async def test_mixed_cancel_break_and_stop_leak_nothing(tiny, start):
+    """A burst of requests that finish, hit stop strings, are abandoned after one event or cancelled
+    at random moments leaves nothing behind: every slot free, nothing queued or in flight, engine
+    alive and still serving."""
+    engine = new_engine(tiny, max_num_seqs=4)
+    runner = start(engine)
+    rng = random.Random(12)
+
+    async def client(i: int) -> None:
+        p = prompt(rng, rng.randint(2, 20))
+        params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]), seed=i,
+                                stop=rng.choice([(), ("a",), ("\x00", "e")]))  # fmt: skip
+        stream = runner.submit(p, params)
+        mode = i % 3
+        if mode == 0:
+            await collect(stream)
+        elif mode == 1:
+            async for _ in stream:
+                break
+            await stream.aclose()
+        else:
+            task = asyncio.create_task(collect(stream))
+            await asyncio.sleep(rng.random() * 0.01)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(40))), 30)
+    await wait_until(lambda: not engine.has_work() and all_slots_free(engine))
+    assert runner.alive and not runner._streams and runner._inflight == 0
+    assert sum(engine.stats.snapshot()["finished_requests"].values()) == 40
+    r = await asyncio.wait_for(collect(runner.submit([BOS, 1], SamplingParams(max_tokens=2, ignore_eos=True))), 30)
+    assert r.reason == "length"
+
+
+# ---------------------------------------------------------------- failure
+
+
+async def test_engine_loop_failure_fails_streams_and_submit(tiny, start, monkeypatch):
+    """If a step raises, every open stream gets EngineDeadError, alive turns False, and submit()
+    refuses new work with EngineDeadError instead of hanging."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    all_submitted = threading.Event()
+
+    def failing_step():
+        all_submitted.wait(5)  # fail only once every request is in, so each has a stream to fail
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    runner = start(engine)
+    assert runner.alive
+    params = SamplingParams(max_tokens=5)
+    streams = [runner.submit([BOS, i + 1], params) for i in range(3)]
+    all_submitted.set()
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(collect(s) for s in streams), return_exceptions=True), timeout=10
+    )
+    assert all(isinstance(o, EngineDeadError) for o in outcomes), outcomes
+    assert "boom" in str(outcomes[0])
+    await wait_until(lambda: not runner.alive)
+    assert isinstance(runner.error, RuntimeError)
+    with pytest.raises(EngineDeadError):
+        runner.submit([BOS, 1], params)
+
+
+async def test_shutdown_fails_open_streams(tiny, start, monkeypatch):
+    """Shutting the engine down while a stream is open ends that stream with EngineDeadError instead
+    of leaving its consumer waiting forever; later submits are refused."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    slow_steps(monkeypatch, engine)
+    runner = start(engine)
+    first = asyncio.Event()
+    task = asyncio.create_task(
+        collect(runner.submit([BOS, 1, 2], SamplingParams(max_tokens=50, ignore_eos=True)), first)
+    )
+    await asyncio.wait_for(first.wait(), 10)
+    runner.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(task, 5)
+    assert not runner.alive
+    with pytest.raises(EngineDeadError):
+        runner.submit([BOS, 1], SamplingParams())
+
+
+# ---------------------------------------------------------------- stats
+
+
+async def test_stats_snapshot_matches_streams(tiny, start):
+    """Stats agree with what the streams delivered: one TTFT per request with a token, one TPOT per
+    request with two or more, generated tokens = tokens emitted, prompt tokens summed, finish
+    reasons counted, and decode batch sizes account for every decode step."""
+    engine = new_engine(tiny, max_num_seqs=3)
+    runner = start(engine)
+    rng = random.Random(11)
+    requests = [
+        (prompt(rng, rng.randint(2, 12)), SamplingParams(max_tokens=n, ignore_eos=True)) for n in (1, 2, 5, 9, 13)
+    ]
+    results = await asyncio.wait_for(asyncio.gather(*(collect(runner.submit(p, s)) for p, s in requests)), 30)
+    snap = engine.stats.snapshot()
+    assert snap["ttft_s"]["count"] == 5
+    assert snap["tpot_s"]["count"] == 4  # the max_tokens=1 request has no time per output token
+    assert snap["ttft_s"]["mean"] > 0 and snap["tpot_s"]["p99"] >= snap["tpot_s"]["p50"] > 0
+    assert snap["generated_tokens"] == sum(len(r.ids) for r in results) == 1 + 2 + 5 + 9 + 13
+    assert snap["prompt_tokens"] == sum(len(p) for p, _ in requests)
+    assert snap["finished_requests"] == {"length": 5}
+    assert sum(snap["decode_batch_sizes"].values()) == snap["decode_steps"]
+    assert sum(n * c for n, c in snap["decode_batch_sizes"].items()) + 5 == snap["generated_tokens"]
+    assert max(snap["decode_batch_sizes"]) <= 3

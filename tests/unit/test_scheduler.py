@@ -1,0 +1,242 @@
+"""The continuous-batching scheduler on its own: slots, queueing, prefill budget, rejection, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.sampling import InvalidRequest, SamplingParams
+from workers.scheduler import QueueFull, Scheduler, Sequence
+
+
+def make_scheduler(max_num_seqs=3, max_model_len=64, max_waiting=8, max_prefill_tokens=1000) -> Scheduler:
+    return Scheduler(max_num_seqs, max_model_len, max_waiting, max_prefill_tokens)
+
+
+def seq(request_id: str, prompt_len: int = 4) -> Sequence:
+    return Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(), seed=0)
+
+
+def test_admit_fills_free_slots_lowest_first():
+    """New sequences take the lowest free slots, in arrival order, and become running."""
+    s = make_scheduler(max_num_seqs=3)
+    for rid in "abc":
+        s.add(seq(rid))
+    admitted = s.admit()
+    assert [q.request_id for q in admitted] == ["a", "b", "c"]
+    assert [q.slot for q in admitted] == [0, 1, 2]
+    assert set(s.running) == {"a", "b", "c"}
+    assert not s.waiting and not s.free_slots
+    assert s.num_unfinished == 3
+
+
+def test_finish_frees_slot_and_next_admission_reuses_it():
+    """A sequence leaving the batch frees its slot at once; the next admission gets that slot, and
+    the lowest free slot is always handed out first whatever the order of release."""
+    s = make_scheduler(max_num_seqs=3)
+    seqs = {rid: seq(rid) for rid in "abc"}
+    for q in seqs.values():
+        s.add(q)
+    s.admit()
+    s.finish(seqs["b"], "length")
+    assert seqs["b"].finish_reason == "length"
+    assert "b" not in s.running
+    assert s.free_slots == [1]
+    d = seq("d")
+    s.add(d)
+    assert s.admit() == [d]
+    assert d.slot == 1
+
+    s.finish(seqs["c"], "stop")
+    s.finish(seqs["a"], "stop")  # released out of order: slot 2 then slot 0
+    e, f = seq("e"), seq("f")
+    s.add(e)
+    s.add(f)
+    s.admit()
+    assert (e.slot, f.slot) == (0, 2)
+    assert {q.slot for q in s.running.values()} == {0, 1, 2}
+
+
+def test_queueing_when_all_slots_busy_is_fifo():
+    """With every slot busy, new requests wait; each release admits the oldest waiter."""
+    s = make_scheduler(max_num_seqs=2)
+    running = [seq("r0"), seq("r1")]
+    for q in running:
+        s.add(q)
+    s.admit()
+    waiters = [seq(f"w{i}") for i in range(4)]
+    for i, q in enumerate(waiters):
+        s.add(q)
+        assert len(s.waiting) == i + 1
+        assert s.admit() == []  # no slot free: nothing moves
+    assert s.num_unfinished == 6
+
+    s.finish(running[1], "length")
+    assert [q.request_id for q in s.admit()] == ["w0"]
+    assert waiters[0].slot == 1
+    s.finish(running[0], "length")
+    s.finish(waiters[0], "length")
+    assert [q.request_id for q in s.admit()] == ["w1", "w2"]
+    assert [q.request_id for q in s.waiting] == ["w3"]
+
+
+def test_prefill_budget_defers_second_long_prompt():
+    """Prompt tokens admitted in one step stay within max_prefill_tokens: a long second prompt waits
+    for the next step, and a prompt over the whole budget is still admitted when it comes first."""
+    s = make_scheduler(max_num_seqs=5, max_model_len=100, max_prefill_tokens=10)
+    big, long2, short = seq("big", 30), seq("long2", 8), seq("short", 2)
+    for q in (big, long2, short):
+        s.add(q)
+    assert s.admit() == [big]  # over budget on its own, but first: admitted, never starved
+    assert s.admit() == [long2, short]  # 8 + 2 fit exactly in the 10-token budget
+    a, b = seq("a", 6), seq("b", 6)
+    s.add(a)
+    s.add(b)
+    assert s.admit() == [a]  # 6 + 6 > 10: b waits, even though a slot is free
+    assert list(s.waiting) == [b]
+    assert s.admit() == [b]
+
+
+def test_prefill_budget_is_fifo_not_best_fit():
+    """A prompt that does not fit the remaining budget blocks later small ones (no overtaking)."""
+    s = make_scheduler(max_num_seqs=4, max_prefill_tokens=10)
+    a, b, c = seq("a", 6), seq("b", 6), seq("c", 1)
+    for q in (a, b, c):
+        s.add(q)
+    assert s.admit() == [a]
+    assert [q.request_id for q in s.waiting] == ["b", "c"]
+
+
+def test_empty_prompt_rejected():
+    """An empty prompt is an InvalidRequest, and is not queued."""
+    s = make_scheduler()
+    with pytest.raises(InvalidRequest, match="empty"):
+        s.add(Sequence("x", [], SamplingParams(), seed=0))
+    assert s.num_unfinished == 0
+
+
+def test_prompt_longer_than_max_model_len_rejected():
+    """A prompt longer than max_model_len is rejected with a message naming the limit; one of exactly
+    max_model_len tokens is accepted."""
+    s = make_scheduler(max_model_len=16)
+    with pytest.raises(InvalidRequest, match=r"max_model_len=16") as info:
+        s.add(seq("x", 17))
+    assert "17" in str(info.value)
+    assert s.num_unfinished == 0
+    s.add(seq("ok", 16))
+    assert s.num_unfinished == 1
+
+
+def test_prompt_ids_outside_vocab_rejected():
+    """With a vocab size, negative, too large or non-integer prompt ids are an InvalidRequest (one
+    bad id inside the batched step would fail every request); without one, ids are not checked."""
+    s = make_scheduler()
+    s.vocab_size = 10
+    for bad in ([1, 10], [-1, 2], [1, 2.0], [1, "3"]):
+        with pytest.raises(InvalidRequest, match=r"\[0, 10\)"):
+            s.add(Sequence("x", bad, SamplingParams(), seed=0))
+    assert s.num_unfinished == 0
+    s.add(Sequence("ok", [0, 9], SamplingParams(), seed=0))
+    Scheduler(2, 64, 8, 100).check_prompt([10**6])  # no vocab size given: no check
+
+
+def test_duplicate_request_id_rejected():
+    """A second unfinished request under the same id is rejected (it would shadow the first in the
+    running table and leak its slot); once the first finishes, the id may be used again."""
+    s = make_scheduler(max_num_seqs=1)
+    first = seq("dup")
+    s.add(first)
+    with pytest.raises(InvalidRequest, match="dup"):
+        s.add(seq("dup"))  # while waiting
+    s.admit()
+    with pytest.raises(InvalidRequest, match="dup"):
+        s.add(seq("dup"))  # while running
+    assert s.num_unfinished == 1
+    s.finish(first, "length")
+    s.add(seq("dup"))
+    assert s.num_unfinished == 1
+
+
+def test_invalid_request_is_a_value_error():
+    """Serving layers map ValueError to 400; InvalidRequest must stay one."""
+    assert issubclass(InvalidRequest, ValueError)
+
+
+def test_queue_full_at_capacity():
+    """At most max_num_seqs + max_waiting requests are held; the next one raises QueueFull and is
+    not queued, and room frees up again when a request finishes."""
+    s = make_scheduler(max_num_seqs=2, max_waiting=3)
+    assert s.capacity == 5
+    seqs = [seq(f"r{i}") for i in range(5)]
+    for q in seqs[:2]:
+        s.add(q)
+    s.admit()
+    for q in seqs[2:]:
+        s.add(q)
+    assert s.num_unfinished == 5
+    with pytest.raises(QueueFull):
+        s.add(seq("extra"))
+    assert s.num_unfinished == 5
+    assert "extra" not in [q.request_id for q in s.waiting]
+
+    s.finish(seqs[0], "length")
+    s.add(seq("extra"))  # a slot's worth of room again
+    assert s.num_unfinished == 5
+
+
+def test_queue_full_counts_waiting_when_nothing_admitted():
+    """Capacity counts waiting requests too: with no admit() in between, capacity adds succeed."""
+    s = make_scheduler(max_num_seqs=1, max_waiting=1)
+    s.add(seq("a"))
+    s.add(seq("b"))
+    with pytest.raises(QueueFull):
+        s.add(seq("c"))
+
+
+def test_abort_waiting_sequence():
+    """Finishing a waiting sequence removes it from the queue without touching slots or the order
+    of the others."""
+    s = make_scheduler(max_num_seqs=1)
+    r, w1, w2, w3 = seq("r"), seq("w1"), seq("w2"), seq("w3")
+    for q in (r, w1, w2, w3):
+        s.add(q)
+    s.admit()
+    found = s.find("w2")
+    assert found is w2
+    s.finish(found, "abort")
+    assert w2.finish_reason == "abort"
+    assert [q.request_id for q in s.waiting] == ["w1", "w3"]
+    assert s.free_slots == []
+    assert s.find("w2") is None
+    s.finish(r, "length")
+    assert s.admit() == [w1]
+
+
+def test_abort_running_sequence_frees_slot():
+    """Finishing a running sequence (abort) frees its slot for the next waiter."""
+    s = make_scheduler(max_num_seqs=2)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    for q in (a, b, c):
+        s.add(q)
+    s.admit()
+    assert s.find("a") is a
+    s.finish(s.find("a"), "abort")
+    assert "a" not in s.running and s.find("a") is None
+    assert s.free_slots == [0]
+    assert s.admit() == [c]
+    assert c.slot == 0
+
+
+def test_find_unknown_request():
+    """find() answers None for ids the scheduler does not hold."""
+    s = make_scheduler()
+    s.add(seq("a"))
+    assert s.find("nope") is None
+    assert s.find("a") is not None
+
+
+def test_sequence_length_counts_prompt_and_output():
+    """Sequence.length is prompt plus generated tokens (the engine's position and length limit)."""
+    q = seq("a", 5)
+    assert q.length == 5
+    q.output_ids += [7, 8]
+    assert q.length == 7

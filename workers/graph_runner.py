@@ -1,0 +1,285 @@
+"""Captures the decode step as CUDA graphs, one per batch-size bucket, and replays them.
+
+Static input buffers (token ids, positions, slot ids) are allocated once; each step copies the live
+batch into them, padding rows pointing at the KV cache's scratch slot. Capture happens before the
+engine is READY: eager warmup on a side stream, then buckets largest first into one shared memory
+pool with the garbage collector quiet. A bucket that fails to capture, does not fit the memory
+budget, or replays differently from eager in the consistency check is recorded in the BucketTable
+with its reason and runs eager. Nothing is ever captured on the request path.
+
+`full` captures the whole step; `piecewise` captures the pieces between attention calls and runs
+attention eager (for backends that cannot be captured).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from policies.dispatch import BucketTable, Dispatch, ExecutionMode, FallbackReason
+from policies.graph_policy import GraphPolicy
+from workers.kv_cache import KVCache
+from workers.model import LlamaModel
+
+log = logging.getLogger(__name__)
+MB = 1 << 20
+
+
+@dataclass
+class BucketRecord:
+    bucket: int
+    capture_s: float = 0.0
+    memory_mb: float = 0.0
+    verify_max_abs_diff: float | None = None
+    error: str | None = None
+
+
+class GraphRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache, policy: GraphPolicy) -> None:
+        self.model = model
+        self.cache = cache
+        self.policy = policy
+        self.backend = model.attention_backend
+        self.device = model.embed.weight.device
+        mode = ExecutionMode.PIECEWISE if policy.mode == "piecewise" else ExecutionMode.CUDA_GRAPH
+        self.table = BucketTable(policy.decode_batch_buckets, mode)
+        self.records: dict[int, BucketRecord] = {}
+        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.compile_s = 0.0
+        self.step_fn = model.decode
+        self.compiled = False
+        if self.device.type != "cuda":
+            self.table.global_reason = FallbackReason.UNAVAILABLE
+        elif policy.mode == "eager" or not policy.capture_on_startup:
+            self.table.global_reason = FallbackReason.DISABLED
+        elif self.backend.graph_support == "none":
+            self.table.global_reason = FallbackReason.BACKEND_UNSUPPORTED
+            log.warning("attention backend %s cannot run under CUDA graphs: decoding eager", self.backend.name)
+        elif policy.mode == "full" and self.backend.graph_support == "piecewise":
+            self.table.mode = ExecutionMode.PIECEWISE
+            self.table.downgrade_reason = FallbackReason.BACKEND_UNSUPPORTED
+            log.warning("attention backend %s cannot be captured: mode full -> piecewise", self.backend.name)
+        if policy.compile and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
+            # Inductor's own cudagraphs stay off: this runner does the capturing.
+            self.step_fn = torch.compile(model.decode, dynamic=False, options={"triton.cudagraphs": False})
+            self.compiled = True
+        max_rows = max(policy.decode_batch_buckets)
+        self.inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+    @property
+    def enabled(self) -> bool:
+        return self.table.global_reason is None
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> tuple[torch.Tensor, Dispatch]:
+        """Logits (rows, vocab) for one decode step, by graph when the table allows, else eager."""
+        dispatch = self.table.dispatch(len(tokens))
+        if dispatch.mode == ExecutionMode.EAGER:
+            return self.eager(tokens, positions, slots), dispatch
+        self._load(tokens, positions, slots, dispatch.bucket)
+        return self._replays[dispatch.bucket]()[: len(tokens)], dispatch
+
+    def eager(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        host = torch.tensor([tokens, positions, slots], dtype=torch.int64)
+        t, p, s = host.to(self.device, non_blocking=True)
+        return self.model.decode(t, p, s, self.cache)
+
+    def _load(self, tokens: list[int], positions: list[int], slots: list[int], bucket: int) -> None:
+        """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
+        n = len(tokens)
+        host = self._host[:, :bucket]
+        host[0, :n] = torch.tensor(tokens)
+        host[1, :n] = torch.tensor(positions)
+        host[2, :n] = torch.tensor(slots)
+        host[:2, n:] = 0
+        host[2, n:] = self.cache.scratch_slot
+        self.inputs[:, :bucket].copy_(host, non_blocking=True)
+
+    def _views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket]
+
+    # -- startup -------------------------------------------------------------------------------
+
+    def probe(self, bucket: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+        """A batch that writes only the scratch slot: random tokens at distinct positions."""
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, self.model.cfg.vocab_size, (bucket,), generator=g).tolist()
+        positions = [i % self.cache.max_model_len for i in range(bucket)]
+        return tokens, positions, [self.cache.scratch_slot] * bucket
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run every bucket eagerly (on a side stream on CUDA) so lazy initialisation, autotuning and
+        inductor compilation happen before capture."""
+        stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream else _null():
+            t0 = time.perf_counter()
+            for bucket in sorted(self.table.buckets if self.enabled else (1,), reverse=True):
+                for _ in range(2):
+                    self._load(*self.probe(bucket, 0), bucket)
+                    self.step_fn(*self._views(bucket), self.cache)
+            if stream:
+                torch.cuda.synchronize()
+            if self.compiled:
+                self.compile_s = time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one pool, within the policy's limits."""
+        if not self.enabled:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        budget = self.policy.graph_memory_budget_mb * MB
+        used = 0.0
+        gc.collect()
+        torch.cuda.empty_cache()  # so memory freed by earlier graphs cannot hide what these take
+        gc.disable()
+        try:
+            for bucket in sorted(self.table.buckets, reverse=True):
+                record = self.records[bucket] = BucketRecord(bucket)
+                if len(self.table.ready) >= self.policy.max_cached_graphs:
+                    record.error = f"max_cached_graphs={self.policy.max_cached_graphs} reached"
+                    self.table.mark_missing(bucket, FallbackReason.EVICTED, record.error)
+                    continue
+                torch.cuda.synchronize()
+                free_before, reserved_before = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+                t0 = time.perf_counter()
+                try:
+                    self._capture_bucket(bucket, pool)
+                except Exception as e:  # a failed capture costs that bucket only
+                    record.error = f"{type(e).__name__}: {e}"
+                    self.table.mark_missing(bucket, FallbackReason.CAPTURE_ERROR, record.error)
+                    self._drop(bucket)
+                    log.warning("capture of bucket %d failed: %s", bucket, record.error)
+                    continue
+                torch.cuda.synchronize()
+                record.capture_s = time.perf_counter() - t0
+                # Device memory the capture took: the larger of what the driver and the allocator saw.
+                taken_by_driver = free_before - torch.cuda.mem_get_info()[0]
+                delta = max(0, taken_by_driver, torch.cuda.memory_reserved() - reserved_before)
+                record.memory_mb = delta / MB
+                if used + delta > budget:
+                    record.error = f"needs {delta / MB:.1f} MB; graph_memory_budget_mb={budget / MB:g} exceeded"
+                    self.table.mark_missing(bucket, FallbackReason.EVICTED, record.error)
+                    self._drop(bucket)
+                    continue
+                used += delta
+                self.table.mark_ready(bucket)
+        finally:
+            gc.enable()
+        log.info("captured %d/%d decode buckets, %.1f MB", len(self.table.ready), len(self.table.buckets), used / MB)
+
+    def _drop(self, bucket: int) -> None:
+        self._replays.pop(bucket, None)
+        for g in self._graphs.pop(bucket, []):
+            g.reset()
+
+    def _capture_bucket(self, bucket: int, pool) -> None:
+        if self.table.mode == ExecutionMode.CUDA_GRAPH:
+            self._capture_full(bucket, pool)
+        else:
+            self._capture_piecewise(bucket, pool)
+
+    def _capture_full(self, bucket: int, pool) -> None:
+        graph = torch.cuda.CUDAGraph()
+        self._graphs[bucket] = [graph]
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.step_fn(*self._views(bucket), self.cache)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        self._replays[bucket] = replay
+
+    def _capture_piecewise(self, bucket: int, pool) -> None:
+        """One graph per stretch between attention calls: embed + layer 0 up to attention; then
+        each layer's rest + the next layer up to attention; then the last layer's rest + logits.
+        Attention runs eager between them, reading the queries the previous graph left."""
+        m, cache = self.model, self.cache
+        tokens, positions, slots = self._views(bucket)
+        attn_out = torch.zeros(bucket, m.layers[0].attn.num_heads * m.cfg.head_dim, dtype=m.cfg.dtype,
+                               device=self.device)  # fmt: skip
+        graphs = self._graphs[bucket] = []
+
+        def capture(fn):
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[-1], pool=pool):
+                return fn()
+
+        def first():
+            h, cos, sin = m.embed_tokens(tokens, positions)
+            return h, cos, sin, m.pre_attention(0, h, cos, sin, slots, positions, cache)[0]
+
+        h, cos, sin, q = capture(first)
+        queries = [q]
+        for i in range(1, len(m.layers)):
+
+            def middle(i=i, h=h):
+                h = m.post_attention(i - 1, h, attn_out)
+                return h, m.pre_attention(i, h, cos, sin, slots, positions, cache)[0]
+
+            h, q = capture(middle)
+            queries.append(q)
+        last_h = h
+        logits = capture(lambda: m.logits(m.post_attention(len(m.layers) - 1, last_h, attn_out)))
+
+        def replay() -> torch.Tensor:
+            meta = self.backend.prepare(m.kv_index, positions, m.cfg.sliding_window)
+            graphs[0].replay()
+            for i, q in enumerate(queries):
+                attn_out.copy_(self.backend(q, cache.k[i], cache.v[i], slots, meta))
+                graphs[i + 1].replay()
+            return logits
+
+        self._replays[bucket] = replay
+
+    @torch.inference_mode()
+    def verify(self) -> None:
+        """Before READY: each captured bucket must replay what the same step computes eagerly on a
+        fresh probe batch, or it is withdrawn (`verify_mismatch`)."""
+        for bucket in sorted(self.table.ready):
+            tokens, positions, slots = self.probe(bucket, seed=bucket + 1)
+            self._load(tokens, positions, slots, bucket)
+            eager = self.step_fn(*self._views(bucket), self.cache).float()
+            replayed = self._replays[bucket]().float()
+            diff = (replayed - eager).abs().max().item()
+            self.records[bucket].verify_max_abs_diff = diff
+            same_tokens = torch.equal(replayed.argmax(-1), eager.argmax(-1))
+            if not same_tokens or diff > 1e-2 * eager.abs().max().item():
+                detail = f"max |graph - eager| = {diff:.3g}, same argmax: {same_tokens}"
+                self.table.mark_missing(bucket, FallbackReason.VERIFY_MISMATCH, detail)
+                self._drop(bucket)
+                log.warning("bucket %d failed verification: %s", bucket, detail)
+
+    def report(self) -> dict:
+        """Per-bucket capture facts for status pages."""
+        out = {}
+        for bucket in self.table.buckets:
+            rec = self.records.get(bucket, BucketRecord(bucket))
+            missing = self.table.missing.get(bucket)
+            out[f"decode_bs_{bucket}"] = {
+                "ready": bucket in self.table.ready,
+                "capture_s": rec.capture_s,
+                "memory_mb": rec.memory_mb,
+                "verify_max_abs_diff": rec.verify_max_abs_diff,
+                "fallback_reason": missing[0].value if missing else None,
+                "error": rec.error or (missing[1] if missing else None),
+            }
+        return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
