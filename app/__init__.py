@@ -1,1 +1,5 @@
-"""graphserve: app (see DESIGN.md for what lives here)."""
+"""Ray Serve wiring: `serve run app:deployment` (see app/builder.py)."""
+
+from app.builder import deployment
+
+__all__ = ["deployment"]

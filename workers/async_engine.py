@@ -98,6 +98,11 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
+        """Change a running request's graph permission from its next step on (it keeps running)."""
+        self._commands.put(("deny", (request_id, reason)))
+        self._wake.set()
+
     async def _stream(self, seq: Sequence, events: asyncio.Queue) -> AsyncIterator[StreamEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
         produced = 0
@@ -148,6 +153,10 @@ class AsyncEngine:
                 return aborted
             if kind == "add":
                 self.engine.scheduler.add(arg)
+            elif kind == "deny":
+                seq = self.engine.scheduler.find(arg[0])
+                if seq is not None:
+                    seq.graph_denial = arg[1]
             elif self.engine.abort(arg):
                 aborted.append(TokenEvent(arg, [], "abort"))
 

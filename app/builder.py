@@ -1,0 +1,43 @@
+"""`app:deployment`: the Serve application builder (ingress -> LLM replicas, plus the controller
+actor the two create on first use). Serve calls it with the `args` of the config file, or with
+`key=value` pairs from `serve run app:deployment ...`; with none it serves the embedded tiny model."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from app.config import AppConfig
+from app.ingress import Ingress
+from app.replica import LLMReplica
+
+HEALTH_CHECK_PERIOD_S = 5.0
+
+
+def use_gpu(config: AppConfig) -> bool:
+    if config.accelerator != "auto":
+        return config.accelerator == "gpu"
+    import ray
+    import torch
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return torch.cuda.is_available()
+
+
+def deployment(args: dict) -> Application:
+    config = AppConfig.from_args(args)
+    args = config.model_dump(mode="json")
+    replica = serve.deployment(LLMReplica).options(
+        name="LLMReplica",
+        ray_actor_options={"num_cpus": config.replica_num_cpus, "num_gpus": 1 if use_gpu(config) else 0},
+        autoscaling_config=config.autoscaling.model_dump(),
+        max_ongoing_requests=config.max_num_seqs + config.max_waiting,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    )
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress",
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        max_ongoing_requests=4 * (config.max_num_seqs + config.max_waiting),
+    )
+    return ingress.bind(replica.bind(args), args)

@@ -1,0 +1,240 @@
+"""The HTTP front: the OpenAI-compatible API (/v1), the admin API (/admin), health, readiness and
+metrics. Stateless: tenant toggles live in the controller, engines in the replicas."""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from app import auth
+from app.config import AppConfig, admin_token_from_env, api_keys_from_env
+from app.controller import controller_handle
+from app.metrics import render
+from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_response
+from workers.default_model import TINY_NAME
+
+api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
+READY_CACHE_S = 1.0
+RETRY_AFTER = {"Retry-After": "5"}
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    if request.url.path.startswith("/v1"):
+        return error_response(exc.status_code, str(exc.detail))
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+
+
+class ToggleBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cuda_graph: StrictBool
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    return f"{param}: {err['msg']}" if param else err["msg"], param
+
+
+async def _json_body(request: Request) -> dict | JSONResponse:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(400, f"request body is not valid JSON: {e.msg if hasattr(e, 'msg') else e}")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object")
+    return body
+
+
+def _sse(payload: dict | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, llm, args: dict) -> None:
+        self.config = AppConfig.from_args(args)
+        self.llm = llm.options(stream=True)
+        self.keys = api_keys_from_env(self.config)
+        self.admin_token = admin_token_from_env(self.config)
+        self.controller = controller_handle(self.config)
+        self.model_name = self.config.served_model_name or (
+            Path(self.config.model).name if self.config.model else TINY_NAME
+        )
+        self.tenants = (
+            set(self.config.tenants) | set(self.keys.values()) | ({auth.OPEN_TENANT} if not self.keys else set())
+        )
+        self._statuses: dict[str, dict] = {}
+        self._statuses_at = 0.0
+
+    async def _replica_statuses(self) -> dict[str, dict]:
+        if time.monotonic() - self._statuses_at > READY_CACHE_S:
+            self._statuses = await self.controller.replica_statuses.remote()
+            self._statuses_at = time.monotonic()
+        return self._statuses
+
+    async def _any_ready(self) -> bool:
+        return any(s.get("state") == "READY" for s in (await self._replica_statuses()).values())
+
+    # -- OpenAI API --------------------------------------------------------------------------------
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys) is None:
+            return error_response(401, "invalid or missing API key")
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": 0, "owned_by": "graphserve"}]})  # fmt: skip
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionRequest)
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, ChatRequest)
+
+    async def _generate(self, request: Request, schema: type[CompletionRequest] | type[ChatRequest]) -> Response:
+        tenant = auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys)
+        if tenant is None:
+            return error_response(401, "invalid or missing API key")
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            return error_response(400, *_validation_message(e))
+        if req.model != self.model_name:
+            return error_response(404, f"model {req.model!r} is not served here; try {self.model_name!r}", "model")
+        if not await self._any_ready():
+            return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
+        chat = schema is ChatRequest
+        # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat.
+        default_max_tokens = self.config.max_model_len if chat else 16
+        payload = {
+            "tenant": tenant,
+            "kind": "chat" if chat else "completion",
+            "sampling": req.sampling(default_max_tokens),
+        }
+        if chat:
+            payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]
+        else:
+            payload["prompt"] = req.prompt
+        items = self.llm.generate.remote(payload)
+        first = await items.__anext__()
+        if "error" in first:
+            items.cancel()
+            return error_response(
+                first["status"], first["error"], headers=RETRY_AFTER if first["status"] == 503 else None
+            )
+        shape = ResponseShape(chat, self.model_name)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream")
+        return JSONResponse(await self._collect(shape, first, items))
+
+    @staticmethod
+    async def _items(first: dict, items) -> AsyncIterator[dict]:
+        """The replica's items, first included; leaving early (a client that went away) cancels the
+        request in the engine."""
+        try:
+            yield first
+            async for item in items:
+                yield item
+        finally:
+            items.cancel()
+
+    async def _stream(self, shape: ResponseShape, first: dict, items, include_usage: bool) -> AsyncIterator[bytes]:
+        last = first
+        async for item in self._items(first, items):
+            last = item
+            yield _sse(shape.chunk(item["text"], item["finish_reason"], first=item is first))
+        if include_usage:
+            yield _sse(shape.usage_chunk(last["prompt_tokens"], last["completion_tokens"]))
+        yield _sse("[DONE]")
+
+    async def _collect(self, shape: ResponseShape, first: dict, items) -> dict:
+        text, last = "", first
+        async for item in self._items(first, items):
+            text += item["text"]
+            last = item
+        return shape.whole(text, last["finish_reason"], last["prompt_tokens"], last["completion_tokens"])
+
+    # -- admin API ---------------------------------------------------------------------------------
+
+    def _admin_denied(self, request: Request) -> JSONResponse | None:
+        if self.admin_token is None:
+            return JSONResponse({"detail": f"the admin API is disabled: set {self.config.admin_token_env} "
+                                           "on the Serve processes to enable it"}, status_code=403)  # fmt: skip
+        token = auth.bearer(request.headers.get("authorization"))
+        if token is None:
+            return JSONResponse({"detail": "admin bearer token required"}, status_code=401)
+        if not auth.admin_ok(token, self.admin_token):
+            return JSONResponse({"detail": "wrong admin token"}, status_code=403)
+        return None
+
+    def _unknown_tenant(self, tenant: str) -> JSONResponse | None:
+        if tenant in self.tenants:
+            return None
+        return JSONResponse({"detail": f"unknown tenant {tenant!r}; known: {sorted(self.tenants)}"}, status_code=404)
+
+    @api.get("/admin/tenants/{tenant}/cuda-graph")
+    async def get_toggle(self, tenant: str, request: Request) -> Response:
+        denied = self._admin_denied(request) or self._unknown_tenant(tenant)
+        return denied or JSONResponse(await self.controller.tenant.remote(tenant))
+
+    @api.put("/admin/tenants/{tenant}/cuda-graph")
+    async def put_toggle(self, tenant: str, request: Request) -> Response:
+        denied = self._admin_denied(request) or self._unknown_tenant(tenant)
+        if denied:
+            return denied
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return JSONResponse({"detail": "request body must be a JSON object"}, status_code=400)
+        try:
+            toggle = ToggleBody.model_validate(body)
+        except ValidationError as e:
+            return JSONResponse({"detail": _validation_message(e)[0]}, status_code=400)
+        actor = request.headers.get("x-graphserve-operator") or "admin"
+        client = request.client.host if request.client else "unknown"
+        result = await self.controller.set_toggle.remote(tenant, toggle.cuda_graph, f"{actor}@{client}")
+        return JSONResponse(result)
+
+    @api.get("/admin/status")
+    async def status(self, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        statuses, (_, toggles) = await asyncio.gather(
+            self.controller.replica_statuses.remote(), self.controller.get_toggles.remote()
+        )
+        return JSONResponse({"model": self.model_name, "tenants": toggles, "replicas": statuses})
+
+    @api.get("/admin/audit")
+    async def audit(self, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        return denied or JSONResponse({"audit": await self.controller.audit_log.remote()})
+
+    # -- health, readiness, metrics ----------------------------------------------------------------
+
+    @api.get("/healthz")
+    async def healthz(self) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/readyz")
+    async def readyz(self) -> Response:
+        if await self._any_ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "no replica has finished capture"}, status_code=503, headers=RETRY_AFTER)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        body = render(await self.controller.replica_statuses.remote())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,104 @@
+"""Metrics: counted in each replica, reported to the controller with the replica's status, rendered
+as one Prometheus exposition by the ingress's /metrics.
+
+Every series carries a `replica` label, so counters from many processes add up correctly in
+Prometheus (a restarted replica is a new series) and one scrape target sees the whole application.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+STEP_LABELS = ("execution_mode", "bucket_id", "fallback_reason", "model_revision", "attention_backend")
+
+
+class Histogram:
+    """Cumulative-on-render bucket counts; plain data so it travels in a status report."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, value)] += 1
+        self.sum += value
+
+    def as_dict(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.sum}
+
+
+class RequestMetrics:
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}
+        self.ttft = Histogram()
+        self.tpot = Histogram()
+
+    def count(self, tenant: str, outcome: str) -> None:
+        self.requests[(tenant, outcome)] = self.requests.get((tenant, outcome), 0) + 1
+
+    def as_dict(self) -> dict:
+        return {
+            "requests": [{"tenant": t, "outcome": o, "count": n} for (t, o), n in sorted(self.requests.items())],
+            "ttft_s": self.ttft.as_dict(),
+            "tpot_s": self.tpot.as_dict(),
+        }
+
+
+def _histogram(name: str, doc: str, per_replica: dict[str, dict]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["replica"])
+    for replica, h in per_replica.items():
+        cumulative, buckets = 0, []
+        for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), h["counts"]):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        family.add_metric([replica], buckets, h["sum"])
+    return family
+
+
+class _StatusCollector:
+    def __init__(self, statuses: dict[str, dict]) -> None:
+        self.statuses = statuses
+
+    def collect(self):
+        steps = CounterMetricFamily(
+            "graphserve_decode_steps", "Decode step model calls", labels=[*STEP_LABELS, "replica"]
+        )
+        rows = CounterMetricFamily("graphserve_decode_rows", "Sequences decoded", labels=[*STEP_LABELS, "replica"])
+        padding = CounterMetricFamily("graphserve_decode_padding_rows", "Padding rows replayed",
+                                      labels=[*STEP_LABELS, "replica"])  # fmt: skip
+        requests = CounterMetricFamily("graphserve_requests", "Requests by tenant and outcome",
+                                       labels=["tenant", "outcome", "replica"])  # fmt: skip
+        ready = GaugeMetricFamily(
+            "graphserve_replica_ready", "1 when the replica's engine is READY", labels=["replica"]
+        )
+        captured = GaugeMetricFamily(
+            "graphserve_graph_buckets_captured", "Decode buckets replaying", labels=["replica"]
+        )
+        for replica, status in self.statuses.items():
+            ready.add_metric([replica], 1.0 if status.get("state") == "READY" else 0.0)
+            captured.add_metric([replica], sum(1 for b in status.get("buckets", {}).values() if b["ready"]))
+            for part in status.get("stats", {}).get("decode_step_parts", []):
+                labels = [str(part[k]) for k in STEP_LABELS] + [replica]
+                steps.add_metric(labels, part["steps"])
+                rows.add_metric(labels, part["rows"])
+                padding.add_metric(labels, part["padding_rows"])
+            for r in status.get("requests", {}).get("requests", []):
+                requests.add_metric([r["tenant"], r["outcome"], replica], r["count"])
+        yield from (steps, rows, padding, requests, ready, captured)
+        with_requests = {r: s["requests"] for r, s in self.statuses.items() if "requests" in s}
+        yield _histogram(
+            "graphserve_ttft_seconds", "Time to first token", {r: v["ttft_s"] for r, v in with_requests.items()}
+        )
+        yield _histogram(
+            "graphserve_tpot_seconds", "Time per output token", {r: v["tpot_s"] for r, v in with_requests.items()}
+        )
+
+
+def render(statuses: dict[str, dict]) -> bytes:
+    registry = CollectorRegistry()
+    registry.register(_StatusCollector(statuses))
+    return generate_latest(registry)

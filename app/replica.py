@@ -1,0 +1,165 @@
+"""The LLM replica deployment: one engine (one GPU when there is one) behind a streaming method.
+
+`__init__` loads the model and captures every graph before it returns, so Serve keeps the replica
+STARTING and routes nothing to it until capture is complete. A background task polls the controller
+for tenant toggles (applied to new and running requests within `toggle_poll_s`, without leaving
+traffic) and pushes this replica's status. Tokens are coalesced per stream into items at most
+`stream_interval_ms` apart: one item per token through the ingress hop would not keep up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from app.config import AppConfig
+from app.controller import controller_handle
+from app.metrics import RequestMetrics
+from policies.dispatch import EngineState, FallbackReason
+from workers.async_engine import AsyncEngine, EngineDeadError
+from workers.engine import EngineConfig, LLMEngine
+from workers.sampling import InvalidRequest, SamplingParams
+from workers.scheduler import QueueFull
+
+log = logging.getLogger(__name__)
+STATUS_EVERY_S = 1.0
+
+
+def engine_config(config: AppConfig) -> EngineConfig:
+    return EngineConfig(
+        model=config.model,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        max_waiting=config.max_waiting,
+        dtype=config.dtype,
+        attention_backend=config.attention_backend,
+        graph_policy=config.cuda_graph_policy,
+    )
+
+
+def tokenize(tokenizer, request: dict) -> list[int]:
+    if request["kind"] == "chat":
+        if not tokenizer.chat_template:
+            raise InvalidRequest("this model has no chat template; use /v1/completions")
+        ids = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    prompt = request["prompt"]
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    return list(prompt)
+
+
+class LLMReplica:
+    async def __init__(self, args: dict) -> None:
+        self.config = AppConfig.from_args(args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.controller = controller_handle(self.config)
+        self.state = EngineState.MODEL_LOADED.value
+        self.metrics = RequestMetrics()
+        self.tenant_of: dict[str, str] = {}
+        self.disabled: set[str] = set()
+        self.toggle_version = -1
+        self.controller.report.remote(self.replica_id, self.status())
+        if self.config.startup_delay_s:
+            await asyncio.sleep(self.config.startup_delay_s)
+        engine, self.tokenizer = await asyncio.to_thread(LLMEngine.from_config, engine_config(self.config))
+        self.engine = engine
+        self.runner = AsyncEngine(engine, self.tokenizer).start()
+        self.state = engine.state.value
+        await self._sync_toggles()
+        self._background = asyncio.create_task(self._poll())
+        await self.controller.report.remote(self.replica_id, self.status())
+        log.info("replica %s READY: %s", self.replica_id, engine.runner.table.ready)
+
+    def status(self) -> dict:
+        status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
+        if hasattr(self, "engine"):
+            status.update(
+                state=self.engine.state.value if self.runner.alive else EngineState.FAILED.value,
+                model_revision=self.engine.revision,
+                attention_backend=self.engine.model.attention_backend.name,
+                buckets=self.engine.runner.report(),
+                compile_s=self.engine.runner.compile_s,
+                stats=self.engine.stats.snapshot(),
+            )
+        return status
+
+    async def _sync_toggles(self) -> None:
+        version, toggles = await self.controller.get_toggles.remote(self.toggle_version)
+        if toggles is None:
+            return
+        self.toggle_version = version
+        disabled = {tenant for tenant, on in toggles.items() if not on}
+        changed = disabled ^ self.disabled
+        self.disabled = disabled
+        for request_id, tenant in list(self.tenant_of.items()):
+            if tenant in changed:
+                self.runner.set_graph_denial(request_id, self._denial(tenant))
+
+    def _denial(self, tenant: str) -> FallbackReason | None:
+        return FallbackReason.TENANT_DISABLED if tenant in self.disabled else None
+
+    async def _poll(self) -> None:
+        last_report = 0.0
+        while True:
+            try:
+                await self._sync_toggles()
+                if time.monotonic() - last_report >= STATUS_EVERY_S:
+                    self.controller.report.remote(self.replica_id, self.status())
+                    last_report = time.monotonic()
+            except Exception:  # the controller may be restarting; keep the last toggles meanwhile
+                log.warning("controller unreachable; keeping the last tenant toggles", exc_info=True)
+            await asyncio.sleep(self.config.toggle_poll_s)
+
+    def check_health(self) -> None:
+        if not self.runner.alive:
+            raise RuntimeError(f"engine loop stopped: {self.runner.error!r}")
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        """Items: {"error", "status"} alone, or {"text", "finish_reason", "prompt_tokens",
+        "completion_tokens"} chunks. The first item is sent as soon as it exists."""
+        tenant = request["tenant"]
+        request_id = uuid.uuid4().hex
+        start = time.monotonic()
+        try:
+            prompt_ids = tokenize(self.tokenizer, request)
+            params = SamplingParams(**request["sampling"])
+            stream = self.runner.submit(prompt_ids, params, request_id, graph_denial=self._denial(tenant))
+        except InvalidRequest as e:
+            self.metrics.count(tenant, "invalid")
+            yield {"error": str(e), "status": 400}
+            return
+        except (QueueFull, EngineDeadError) as e:
+            self.metrics.count(tenant, "unavailable")
+            yield {"error": str(e), "status": 503}
+            return
+        self.tenant_of[request_id] = tenant
+        interval = self.config.stream_interval_ms / 1e3
+        text, last_sent, first_at, outcome = "", 0.0, None, "cancelled"
+        try:
+            async for event in stream:
+                text += event.text
+                now = time.monotonic()
+                if first_at is None and event.completion_tokens:
+                    first_at = now
+                    self.metrics.ttft.observe(now - start)
+                if event.finish_reason is None and last_sent and now - last_sent < interval:
+                    continue
+                yield {"text": text, "finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
+                       "completion_tokens": event.completion_tokens}  # fmt: skip
+                text, last_sent = "", now
+                if event.finish_reason is not None:
+                    outcome = "ok"
+                    if first_at is not None and event.completion_tokens > 1:
+                        self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
+        finally:
+            self.tenant_of.pop(request_id, None)
+            self.metrics.count(tenant, outcome)
+
+    def get_status(self) -> dict:
+        return self.status()
