@@ -81,6 +81,26 @@ class GraphController:
         return {rid: s for rid, s in self.replicas.items() if now - s["reported_at"] < STALE_AFTER_S}
 
 
+class ControllerClient:
+    """Calls the controller; if the actor is gone for good (killed without restart), creates it
+    again, which reloads the persisted state, and retries once."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self.config = config
+        self.handle = controller_handle(config)
+
+    async def call(self, method: str, *args):
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except ray.exceptions.RayActorError:
+            self.handle = controller_handle(self.config)
+            return await getattr(self.handle, method).remote(*args)
+
+    def notify(self, method: str, *args) -> None:
+        """Fire and forget (status reports)."""
+        getattr(self.handle, method).remote(*args)
+
+
 def controller_handle(config: AppConfig):
     """The running controller, created on first use (get_if_exists makes concurrent callers agree)."""
     actor = ray.remote(GraphController).options(

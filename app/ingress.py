@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app import auth
 from app.config import AppConfig, admin_token_from_env, api_keys_from_env
-from app.controller import controller_handle
+from app.controller import ControllerClient
 from app.metrics import render
 from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_response
 from workers.default_model import TINY_NAME
@@ -64,7 +64,7 @@ class Ingress:
         self.llm = llm.options(stream=True)
         self.keys = api_keys_from_env(self.config)
         self.admin_token = admin_token_from_env(self.config)
-        self.controller = controller_handle(self.config)
+        self.controller = ControllerClient(self.config)
         self.model_name = self.config.served_model_name or (
             Path(self.config.model).name if self.config.model else TINY_NAME
         )
@@ -76,7 +76,7 @@ class Ingress:
 
     async def _replica_statuses(self) -> dict[str, dict]:
         if time.monotonic() - self._statuses_at > READY_CACHE_S:
-            self._statuses = await self.controller.replica_statuses.remote()
+            self._statuses = await self.controller.call("replica_statuses")
             self._statuses_at = time.monotonic()
         return self._statuses
 
@@ -188,7 +188,7 @@ class Ingress:
     @api.get("/admin/tenants/{tenant}/cuda-graph")
     async def get_toggle(self, tenant: str, request: Request) -> Response:
         denied = self._admin_denied(request) or self._unknown_tenant(tenant)
-        return denied or JSONResponse(await self.controller.tenant.remote(tenant))
+        return denied or JSONResponse(await self.controller.call("tenant", tenant))
 
     @api.put("/admin/tenants/{tenant}/cuda-graph")
     async def put_toggle(self, tenant: str, request: Request) -> Response:
@@ -204,7 +204,7 @@ class Ingress:
             return JSONResponse({"detail": _validation_message(e)[0]}, status_code=400)
         actor = request.headers.get("x-graphserve-operator") or "admin"
         client = request.client.host if request.client else "unknown"
-        result = await self.controller.set_toggle.remote(tenant, toggle.cuda_graph, f"{actor}@{client}")
+        result = await self.controller.call("set_toggle", tenant, toggle.cuda_graph, f"{actor}@{client}")
         return JSONResponse(result)
 
     @api.get("/admin/status")
@@ -213,14 +213,14 @@ class Ingress:
         if denied:
             return denied
         statuses, (_, toggles) = await asyncio.gather(
-            self.controller.replica_statuses.remote(), self.controller.get_toggles.remote()
+            self.controller.call("replica_statuses"), self.controller.call("get_toggles")
         )
         return JSONResponse({"model": self.model_name, "tenants": toggles, "replicas": statuses})
 
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:
         denied = self._admin_denied(request)
-        return denied or JSONResponse({"audit": await self.controller.audit_log.remote()})
+        return denied or JSONResponse({"audit": await self.controller.call("audit_log")})
 
     # -- health, readiness, metrics ----------------------------------------------------------------
 
@@ -236,5 +236,5 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        body = render(await self.controller.replica_statuses.remote())
+        body = render(await self.controller.call("replica_statuses"))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app.config import AppConfig
-from app.controller import controller_handle
+from app.controller import ControllerClient
 from app.metrics import RequestMetrics
 from policies.dispatch import EngineState, FallbackReason
 from workers.async_engine import AsyncEngine, EngineDeadError
@@ -58,13 +58,13 @@ class LLMReplica:
     async def __init__(self, args: dict) -> None:
         self.config = AppConfig.from_args(args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.controller = controller_handle(self.config)
+        self.controller = ControllerClient(self.config)
         self.state = EngineState.MODEL_LOADED.value
         self.metrics = RequestMetrics()
         self.tenant_of: dict[str, str] = {}
         self.disabled: set[str] = set()
         self.toggle_version = -1
-        self.controller.report.remote(self.replica_id, self.status())
+        self.controller.notify("report", self.replica_id, self.status())
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
         engine, self.tokenizer = await asyncio.to_thread(LLMEngine.from_config, engine_config(self.config))
@@ -73,7 +73,7 @@ class LLMReplica:
         self.state = engine.state.value
         await self._sync_toggles()
         self._background = asyncio.create_task(self._poll())
-        await self.controller.report.remote(self.replica_id, self.status())
+        await self.controller.call("report", self.replica_id, self.status())
         log.info("replica %s READY: %s", self.replica_id, engine.runner.table.ready)
 
     def status(self) -> dict:
@@ -90,7 +90,7 @@ class LLMReplica:
         return status
 
     async def _sync_toggles(self) -> None:
-        version, toggles = await self.controller.get_toggles.remote(self.toggle_version)
+        version, toggles = await self.controller.call("get_toggles", self.toggle_version)
         if toggles is None:
             return
         self.toggle_version = version
@@ -110,7 +110,7 @@ class LLMReplica:
             try:
                 await self._sync_toggles()
                 if time.monotonic() - last_report >= STATUS_EVERY_S:
-                    self.controller.report.remote(self.replica_id, self.status())
+                    self.controller.notify("report", self.replica_id, self.status())
                     last_report = time.monotonic()
             except Exception:  # the controller may be restarting; keep the last toggles meanwhile
                 log.warning("controller unreachable; keeping the last tenant toggles", exc_info=True)
