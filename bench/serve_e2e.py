@@ -1,0 +1,149 @@
+"""End-to-end streamed TPOT through Ray Serve vs the engine's own, on one GPU, in one run.
+
+1. Writes a checkpoint of the Llama-3.2-1B shape (random bf16 weights, the byte tokenizer) to disk.
+2. Engine alone: c concurrent greedy requests of N tokens in-process; TPOT per request and tokens/s.
+3. The Serve app on the same checkpoint: time until /readyz (capture complete), then c concurrent
+   streamed completions with the real `openai` client; TPOT per stream (client clock, first to last
+   chunk) and aggregate tokens/s.
+
+    python bench/serve_e2e.py --out bench/results/serve_e2e_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def write_model(path: Path) -> None:
+    from workers.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
+
+    write_checkpoint(path, BENCH_CONFIGS["1b"], build_byte_tokenizer(), seed=0)
+
+
+def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: int) -> dict:
+    from workers.engine import EngineConfig, LLMEngine
+    from workers.sampling import SamplingParams
+
+    engine, tokenizer = LLMEngine.from_config(EngineConfig(model=model_dir, max_model_len=max_model_len))
+    prompt = tokenizer(PROMPT)["input_ids"]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the first round warms the allocator and prefill kernels
+        seqs = [engine.add_request(prompt, params) for _ in range(streams)]
+        t0 = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        wall = time.perf_counter() - t0
+    tpots = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs]
+    result = dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(len(s.output_ids) for s in seqs) / wall)
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+async def one_stream(client, model: str, max_tokens: int) -> tuple[float, float, int]:
+    first = last = None
+    tokens = 0
+    stream = await client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0.0,
+                                             stream=True, stream_options={"include_usage": True})  # fmt: skip
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            first = first or now
+            last = now
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return first, last, tokens
+
+
+async def serve_streams(base_url: str, model: str, streams: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    await asyncio.gather(*[one_stream(client, model, 8) for _ in range(streams)])  # warm the path
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*[one_stream(client, model, max_tokens) for _ in range(streams)])
+    wall = time.perf_counter() - t0
+    tpots = [(last - first) / (n - 1) for first, last, n in results if n > 1 and last > first]
+    return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(n for _, _, n in results) / wall,
+                completion_tokens=[n for _, _, n in results])  # fmt: skip
+
+
+def wait_ready(base_url: str, timeout_s: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        try:
+            if urllib.request.urlopen(base_url + "/readyz", timeout=2).status == 200:
+                return time.perf_counter() - t0
+        except Exception:
+            time.sleep(0.5)
+    raise TimeoutError("the app never became ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    model_dir = Path(tempfile.mkdtemp()) / "llama-1b-random"
+    t0 = time.perf_counter()
+    write_model(model_dir)
+    print(f"checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
+    alone = {c: engine_alone(str(model_dir), c, args.max_tokens, args.max_model_len) for c in args.streams}
+    print("engine alone", alone, flush=True)
+
+    import ray
+    from ray import serve
+
+    from app import deployment
+
+    os.environ.pop("GRAPHSERVE_API_KEYS", None)
+    os.environ["GRAPHSERVE_ADMIN_TOKEN"] = "bench-admin"
+    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    app = deployment({"model": str(model_dir), "accelerator": "gpu", "max_model_len": args.max_model_len,
+                      "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+                      "controller_state_path": str(model_dir.parent / "state.json")})  # fmt: skip
+    t0 = time.perf_counter()
+    serve.run(app, blocking=False)
+    ready_s = time.perf_counter() - t0 + wait_ready("http://127.0.0.1:8000", 600)
+    admin = urllib.request.Request(
+        "http://127.0.0.1:8000/admin/status", headers={"Authorization": "Bearer bench-admin"}
+    )
+    replicas = json.loads(urllib.request.urlopen(admin).read())["replicas"]
+    captured = {rid: {b: r["capture_s"] for b, r in s["buckets"].items() if r["ready"]} for rid, s in replicas.items()}
+    print("replica states", {rid: s["state"] for rid, s in replicas.items()}, "captured", captured, flush=True)
+    rows = []
+    for c in args.streams:
+        served = asyncio.run(serve_streams("http://127.0.0.1:8000", model_dir.name, c, args.max_tokens))
+        rows.append(dict(streams=c, engine_tpot_ms=alone[c]["tpot_ms"], e2e_tpot_ms=served["tpot_ms"],
+                         tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
+                         engine_tokens_per_s=alone[c]["tokens_per_s"], e2e_tokens_per_s=served["tokens_per_s"],
+                         throughput_ratio=served["tokens_per_s"] / alone[c]["tokens_per_s"],
+                         completion_tokens=served["completion_tokens"]))  # fmt: skip
+        print(rows[-1], flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, max_tokens=args.max_tokens,
+                serve_run_to_ready_s=ready_s, captured_buckets=captured,
+                model="1b-shape random bf16, byte tokenizer")  # fmt: skip
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()
