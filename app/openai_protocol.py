@@ -42,6 +42,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = None
+    ignore_eos: StrictBool = False  # vLLM-compatible extension (benchmarks): generate max_tokens regardless
     presence_penalty: Literal[0, 0.0] = 0.0
     frequency_penalty: Literal[0, 0.0] = 0.0
 
@@ -55,7 +56,8 @@ class SamplingFields(BaseModel):
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()))  # fmt: skip
+                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
+                    ignore_eos=self.ignore_eos)  # fmt: skip
 
 
 class CompletionRequest(SamplingFields):

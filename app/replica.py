@@ -3,8 +3,9 @@
 `__init__` loads the model and captures every graph before it returns, so Serve keeps the replica
 STARTING and routes nothing to it until capture is complete. A background task polls the controller
 for tenant toggles (applied to new and running requests within `toggle_poll_s`, without leaving
-traffic) and pushes this replica's status. Tokens are coalesced per stream into items at most
-`stream_interval_ms` apart: one item per token through the ingress hop would not keep up.
+traffic) and pushes this replica's status. A stream reads its tokens at most every
+`stream_interval_ms` and yields what gathered as one item (the first at once): one item per token
+through the ingress hop would not keep up at high concurrency.
 """
 
 from __future__ import annotations
@@ -140,23 +141,21 @@ class LLMReplica:
             return
         self.tenant_of[request_id] = tenant
         interval = self.config.stream_interval_ms / 1e3
-        text, last_sent, first_at, outcome = "", 0.0, None, "cancelled"
+        first_at, outcome = None, "cancelled"
         try:
             async for event in stream:
-                text += event.text
                 now = time.monotonic()
                 if first_at is None and event.completion_tokens:
                     first_at = now
                     self.metrics.ttft.observe(now - start)
-                if event.finish_reason is None and last_sent and now - last_sent < interval:
-                    continue
-                yield {"text": text, "finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
+                yield {"text": event.text, "finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
                        "completion_tokens": event.completion_tokens}  # fmt: skip
-                text, last_sent = "", now
                 if event.finish_reason is not None:
                     outcome = "ok"
                     if first_at is not None and event.completion_tokens > 1:
                         self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
+                elif interval:
+                    await asyncio.sleep(interval)  # tokens gather meanwhile; the next read takes them all
         finally:
             self.tenant_of.pop(request_id, None)
             self.metrics.count(tenant, outcome)

@@ -109,9 +109,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await events.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = self._merge(await events.get(), events)
                 produced += len(item.token_ids)
                 text, hit_stop = detok.add(item.token_ids)
                 reason = item.finish_reason
@@ -125,6 +123,20 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.cancel(seq.request_id)
+
+    @staticmethod
+    def _merge(item: TokenEvent | BaseException, events: asyncio.Queue) -> TokenEvent:
+        """This event and every one already queued behind it, as one: a consumer that reads less
+        often than the engine steps detokenizes and yields once per read, not once per step."""
+        while True:
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None or events.empty():
+                return item
+            following = events.get_nowait()
+            if isinstance(following, BaseException):
+                raise following
+            item = TokenEvent(item.request_id, item.token_ids + following.token_ids, following.finish_reason)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:

@@ -1,0 +1,330 @@
+"""The admin API (tenant CUDA-graph toggles, audit, status, the controller's crash recovery) and the
+serving path under concurrency (a burst of streams, a client that disconnects mid-stream).
+
+One Ray instance for the module. It serves a slower random checkpoint than the embedded tiny model
+(`write_slow_checkpoint`: ~10 ms per decode step on CPU, EOS never sampled greedily) so a stream of a
+couple of hundred tokens lasts long enough to disconnect from, or to toggle its tenant, mid-flight.
+On CPU no step can replay a CUDA graph: steps of permitted requests are recorded with
+fallback_reason 'unavailable', those of a disabled tenant with 'tenant_disabled'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+
+import openai
+import pytest
+import ray
+
+from tests.integration.helpers import (
+    API_KEYS,
+    httpx,
+    json_events,
+    running_app,
+    settled,
+    wait_for,
+    write_slow_checkpoint,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
+MODEL = "slow-llama"
+TOGGLE_APPLIED_S = 2.1  # toggle_poll_s is 0.5 s; the brief's bound for a toggle to reach replicas is 2 s
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("admin")
+    checkpoint = write_slow_checkpoint(tmp / MODEL)
+    args = {"model": str(checkpoint), "served_model_name": MODEL}
+    with running_app(tmp, name="admin", args=args, admin_token=ADMIN_TOKEN) as s:
+        s.wait_ready()
+        yield s
+
+
+def toggle_url(tenant: str) -> str:
+    return f"/admin/tenants/{tenant}/cuda-graph"
+
+
+def put_toggle(server, tenant: str, on: bool, operator: str | None = None):
+    headers = server.admin_headers()
+    if operator:
+        headers["X-Graphserve-Operator"] = operator
+    return server.http.put(toggle_url(tenant), json={"cuda_graph": on}, headers=headers)
+
+
+def get_toggle(server, tenant: str) -> bool:
+    r = server.http.get(toggle_url(tenant), headers=server.admin_headers())
+    assert r.status_code == 200, r.text
+    return r.json()["cuda_graph"]
+
+
+def rows(status: dict, reason: str) -> int:
+    """Decoded rows recorded under a fallback reason in a replica status."""
+    return sum(p["rows"] for p in status["stats"]["decode_step_parts"] if p["fallback_reason"] == reason)
+
+
+def controller(server):
+    return ray.get_actor(server.controller_name, namespace=server.controller_namespace)
+
+
+# -- the admin API -------------------------------------------------------------------------------------
+
+ADMIN_CALLS = [
+    ("GET", "/admin/tenants/tenant-a/cuda-graph", None),
+    ("PUT", "/admin/tenants/tenant-a/cuda-graph", {"cuda_graph": False}),
+    ("GET", "/admin/status", None),
+    ("GET", "/admin/audit", None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS, ids=["get-toggle", "put-toggle", "status", "audit"])
+def test_admin_requires_the_token(server, method, path, body):
+    """No bearer token -> 401; a wrong one (or a tenant API key) -> 403; nothing changes."""
+    calls = [({}, 401), ({"Authorization": "Bearer wrong-token"}, 403), (server.key_headers("tenant-a"), 403),
+             ({"Authorization": f"Basic {ADMIN_TOKEN}"}, 401)]  # fmt: skip
+    for headers, status in calls:
+        r = server.http.request(method, path, json=body, headers=headers)
+        assert r.status_code == status, (headers, r.status_code, r.text)
+        assert r.json()["detail"]
+    assert get_toggle(server, "tenant-a") is True
+
+
+def test_unknown_tenant_is_404(server):
+    """Toggles exist only for configured tenants or tenants with API keys."""
+    for method, body in (("GET", None), ("PUT", {"cuda_graph": False})):
+        r = server.http.request(method, toggle_url("tenant-zzz"), json=body, headers=server.admin_headers())
+        assert r.status_code == 404, r.text
+        assert "tenant-zzz" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b'{"cuda_graph": "yes"}', "cuda_graph"),
+        (b'{"cuda_graph": 0}', "cuda_graph"),
+        (b'{"cuda_graph": null}', "cuda_graph"),
+        (b"{}", "cuda_graph"),
+        (b'{"cuda_graph": false, "extra": 1}', "extra"),
+        (b'{"cuda_graph": fal', "json"),
+        (b"[false]", "json"),
+        (b"", "json"),
+    ],
+    ids=["string", "int", "null", "missing", "extra-field", "malformed", "array", "empty"],
+)
+def test_bad_toggle_body_is_400(server, content, needle):
+    """A toggle body that is not exactly {"cuda_graph": <bool>} is a 400 with a reason; no change."""
+    headers = {**server.admin_headers(), "Content-Type": "application/json"}
+    r = server.http.put(toggle_url("tenant-a"), content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["detail"].lower()
+    assert get_toggle(server, "tenant-a") is True
+
+
+def test_toggle_round_trip_reaches_replica(server):
+    """PUT cuda_graph=false -> 200 and GET shows false; tenant-a's decode rows then run eager as
+    'tenant_disabled' while tenant-b's requests add no such rows; PUT true restores it."""
+    r = put_toggle(server, "tenant-a", False, operator="alice")
+    assert r.status_code == 200, r.text
+    assert r.json()["cuda_graph"] is False and r.json()["tenant"] == "tenant-a"
+    assert r.json()["updated_by"].startswith("alice@")
+    assert get_toggle(server, "tenant-a") is False
+    assert get_toggle(server, "tenant-b") is True
+    assert server.admin_status()["tenants"]["tenant-a"] is False
+    time.sleep(TOGGLE_APPLIED_S)
+
+    before = settled(lambda: rows(server.replica_status(), "tenant_disabled"))
+    r = server.complete("tenant-a", max_tokens=8)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    # 8 tokens: one from the prefill, 7 from decode steps
+    wait_for(lambda: rows(server.replica_status(), "tenant_disabled") >= before + 7, 10,
+             what="tenant_disabled decode rows from tenant-a's request")  # fmt: skip
+    parts = [p for p in server.replica_status()["stats"]["decode_step_parts"] if p["fallback_reason"] == "tenant_disabled"]
+    assert all(p["execution_mode"] == "eager" for p in parts)
+
+    status = settled(server.replica_status, timeout=15)
+    disabled, unavailable = rows(status, "tenant_disabled"), rows(status, "unavailable")
+    r = server.complete("tenant-b", max_tokens=8)
+    assert r.status_code == 200
+    wait_for(lambda: rows(server.replica_status(), "unavailable") >= unavailable + 7, 10,
+             what="tenant-b's decode rows ('unavailable' on CPU)")  # fmt: skip
+    assert rows(server.replica_status(), "tenant_disabled") == disabled
+
+    assert put_toggle(server, "tenant-a", True).json()["cuda_graph"] is True
+    assert get_toggle(server, "tenant-a") is True
+
+
+def test_toggle_applies_to_a_running_request(server):
+    """Disabling a tenant mid-stream moves its running request to eager from the next steps on,
+    without interrupting it."""
+    assert get_toggle(server, "tenant-a") is True
+    time.sleep(TOGGLE_APPLIED_S)  # the previous test's re-enable has reached the replica
+    before = settled(lambda: rows(server.replica_status(), "tenant_disabled"))
+    body = {"model": MODEL, "prompt": "toggle me", "max_tokens": 200, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with server.http.stream("POST", "/v1/completions", json=body, headers=server.key_headers("tenant-a")) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"finish_reason": null' in first
+        assert put_toggle(server, "tenant-a", False).status_code == 200
+        rest = [line for line in lines if line.strip()]
+    try:
+        events = json_events([first, *rest])
+        assert events[-1]["usage"]["completion_tokens"] == 200  # it ran to the end
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        disabled = wait_for(lambda: rows(server.replica_status(), "tenant_disabled") - before, 10,
+                            what="tenant_disabled rows from the running request")  # fmt: skip
+        assert 0 < disabled < 199  # part of its decode steps ran before the toggle, part after
+    finally:
+        put_toggle(server, "tenant-a", True)
+
+
+def test_audit_log(server):
+    """Every toggle change is audited with actor, tenant, before and after."""
+    operator = "bob-" + uuid.uuid4().hex[:6]
+    assert put_toggle(server, "tenant-b", False, operator=operator).status_code == 200
+    assert put_toggle(server, "tenant-b", True, operator=operator).status_code == 200
+    r = server.http.get("/admin/audit", headers=server.admin_headers())
+    assert r.status_code == 200
+    mine = [e for e in r.json()["audit"] if e["actor"].startswith(operator + "@")]
+    assert [(e["tenant"], e["before"], e["after"]) for e in mine] == [("tenant-b", True, False), ("tenant-b", False, True)]
+    assert all(e["action"] == "set_cuda_graph" and e["time"] > 0 for e in mine)
+    assert mine[0]["time"] <= mine[1]["time"]
+    # the default actor is "admin@<client address>"
+    assert any(e["actor"].startswith("admin@") for e in r.json()["audit"])
+
+
+def test_admin_token_never_returned(server):
+    """The admin token (and the API keys) appear in no response body or header, errors included."""
+    responses = [
+        server.http.get("/admin/status", headers=server.admin_headers()),
+        server.http.get("/admin/audit", headers=server.admin_headers()),
+        server.http.get(toggle_url("tenant-a"), headers=server.admin_headers()),
+        put_toggle(server, "tenant-a", True),
+        server.http.get(toggle_url("tenant-zzz"), headers=server.admin_headers()),
+        server.http.put(toggle_url("tenant-a"), content=b"{", headers=server.admin_headers()),
+        server.http.put(toggle_url("tenant-a"), json={"cuda_graph": "x"}, headers=server.admin_headers()),
+        server.http.get("/admin/status", headers=server.admin_headers(ADMIN_TOKEN + "x")),
+        server.http.get("/admin/status", headers=server.admin_headers(ADMIN_TOKEN[:-1])),
+        server.http.get("/admin/status"),
+        server.http.get("/metrics"),
+        server.http.get("/readyz"),
+        server.http.get("/v1/models", headers=server.key_headers()),
+        server.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
+                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}),  # fmt: skip
+        server.complete("tenant-a", max_tokens=2),
+    ]
+    for r in responses:
+        for secret in (ADMIN_TOKEN, *API_KEYS.values()):
+            assert secret not in r.text, (r.request.url, r.text[:300])
+            assert not any(secret in v for v in r.headers.values()), r.headers
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+
+def test_controller_restart_reloads_state(server):
+    """The controller is killed and restarted by Ray: the toggle set before survives (reloaded from
+    the state file) and the admin API keeps answering."""
+    assert put_toggle(server, "tenant-b", False, operator="carol").status_code == 200
+    actor = controller(server)
+    pid = _pid(actor)
+    ray.kill(actor, no_restart=False)
+    wait_for(lambda: _pid(actor) != pid, 60, what="the controller to come back")
+    assert ray.get(actor.tenant.remote("tenant-b"), timeout=30)["cuda_graph"] is False
+    assert get_toggle(server, "tenant-b") is False
+    r = server.http.get("/admin/audit", headers=server.admin_headers())
+    assert any(e["actor"].startswith("carol@") and e["after"] is False for e in r.json()["audit"])
+    wait_for(server.is_ready, 30, what="/readyz after the restart (replicas report again)")
+    assert put_toggle(server, "tenant-b", True).status_code == 200
+
+
+def test_controller_killed_for_good_is_recreated(server):
+    """Killed without restart, the controller is created again by its next caller and reloads the
+    state file: admin calls keep working, replicas report again, requests are served."""
+    assert put_toggle(server, "tenant-b", False, operator="dave").status_code == 200
+    actor = controller(server)
+    pid = _pid(actor)
+    ray.kill(actor, no_restart=True)
+    r = wait_for(lambda: (r := server.http.get(toggle_url("tenant-b"), headers=server.admin_headers())).status_code
+                 == 200 and r, 30, what="an admin GET to succeed after the kill")  # fmt: skip
+    assert r.json()["cuda_graph"] is False
+    assert r.json()["updated_by"].startswith("dave@")
+    assert _pid(controller(server)) != pid
+    wait_for(lambda: server.admin_status()["replicas"], 30, what="the replica to report to the new controller")
+    wait_for(server.is_ready, 30, what="/readyz with the new controller")
+    assert server.complete("tenant-a", max_tokens=4).status_code == 200
+    assert put_toggle(server, "tenant-b", True).json()["cuda_graph"] is True
+
+
+# -- concurrency ---------------------------------------------------------------------------------------
+
+
+async def test_32_concurrent_streams(server):
+    """32 streamed requests at once all finish with finish_reason 'length' and exactly max_tokens
+    tokens, and the engine batched them (a decode batch of more than one row)."""
+    max_tokens = 16
+    sizes_before = settled(lambda: server.replica_status()["stats"]["decode_batch_sizes"])
+    async with openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEYS["tenant-a"], max_retries=0, timeout=90) as c:
+
+        async def one(i: int) -> tuple[str, str | None, int]:
+            stream = await c.completions.create(model=MODEL, prompt=f"request number {i}", max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True})  # fmt: skip
+            text, finish, usage = "", None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage:
+                    usage = chunk.usage.completion_tokens
+            return text, finish, usage
+
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(32))), timeout=90)
+    assert len(results) == 32
+    assert [(finish, usage) for _, finish, usage in results] == [("length", max_tokens)] * 32
+    assert all(text for text, _, _ in results)
+
+    def batched() -> bool:
+        sizes = server.replica_status()["stats"]["decode_batch_sizes"]
+        grown = {int(k): n - sizes_before.get(k, 0) for k, n in sizes.items() if n > sizes_before.get(k, 0)}
+        return sum(k * n for k, n in grown.items()) >= 32 * (max_tokens - 1) and max(grown) > 1
+
+    wait_for(batched, 10, what="the burst's decode steps, batched")
+
+
+def test_client_disconnect_aborts_request(server):
+    """A client that goes away mid-stream cancels its request in the engine: the replica counts an
+    'abort', stops generating for it, and keeps serving."""
+    status = settled(server.replica_status, timeout=15)
+    aborts = status["stats"]["finished_requests"].get("abort", 0)
+    generated = status["stats"]["generated_tokens"]
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "temperature": 0, "stream": True}
+    seen = []
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body, headers=server.key_headers("tenant-b")) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(line)
+                if len(seen) == 2:
+                    break
+        # leaving both blocks closes the connection with the stream unread
+    assert all('"finish_reason": null' in line for line in seen), seen
+
+    after = wait_for(
+        lambda: (s := server.replica_status())["stats"]["finished_requests"].get("abort", 0) >= aborts + 1 and s,
+        10, what="the replica to count the disconnected request as 'abort'",
+    )  # fmt: skip
+    assert after["stats"]["generated_tokens"] - generated < 200  # it was stopped, not run to the end
+    cancelled = [r for r in after["requests"]["requests"] if r["tenant"] == "tenant-b" and r["outcome"] == "cancelled"]
+    assert cancelled and cancelled[0]["count"] >= 1
+
+    r = server.complete("tenant-b", max_tokens=5)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+

