@@ -27,13 +27,24 @@ def use_gpu(config: AppConfig) -> bool:
 
 def deployment(args: dict) -> Application:
     config = AppConfig.from_args(args)
+    gpu = use_gpu(config)
+    if gpu:
+        config = config.model_copy(update={"accelerator": "gpu"})
     args = config.model_dump(mode="json")
+    tp = config.tensor_parallel_size
+    placement = {}
+    if tp > 1:
+        # The replica (bundle 0) needs no GPU; each shard gets a bundle of its own, all on one node.
+        shard_bundle = {"CPU": config.shard_num_cpus, **({"GPU": 1} if gpu else {})}
+        placement = dict(placement_group_bundles=[{"CPU": config.replica_num_cpus}] + [shard_bundle] * tp,
+                         placement_group_strategy="STRICT_PACK")  # fmt: skip
     replica = serve.deployment(LLMReplica).options(
         name="LLMReplica",
-        ray_actor_options={"num_cpus": config.replica_num_cpus, "num_gpus": 1 if use_gpu(config) else 0},
+        ray_actor_options={"num_cpus": config.replica_num_cpus, "num_gpus": 1 if gpu and tp == 1 else 0},
         autoscaling_config=config.autoscaling.model_dump(),
         max_ongoing_requests=config.max_num_seqs + config.max_waiting,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **placement,
     )
     ingress = serve.deployment(Ingress).options(
         name="Ingress",

@@ -41,6 +41,9 @@ class AppConfig(BaseModel):
     max_waiting: int = Field(256, ge=0)
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
     attention_backend: str = "sdpa"
+    tensor_parallel_size: int = Field(1, ge=1)
+    shard_num_cpus: float = Field(1.0, gt=0)
+    collective_timeout_s: float = Field(30.0, gt=0)  # every wait between shards is bounded by this
     cuda_graph_policy: GraphPolicy = GraphPolicy()
     tenants: dict[str, TenantConfig] = {}
     autoscaling: AutoscalingConfig = AutoscalingConfig()

@@ -22,6 +22,9 @@ from workers.default_model import TINY_NAME
 
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
 READY_CACHE_S = 1.0
+# A restarted controller knows no replica until each reports again (about every second): a replica
+# it stops listing stays in the readiness view this long, so a controller restart is no outage.
+REPORT_GRACE_S = 5.0
 RETRY_AFTER = {"Retry-After": "5"}
 
 
@@ -73,11 +76,16 @@ class Ingress:
         )
         self._statuses: dict[str, dict] = {}
         self._statuses_at = 0.0
+        self._listed_at: dict[str, float] = {}  # replica id -> when the controller last listed it
 
     async def _replica_statuses(self) -> dict[str, dict]:
         if time.monotonic() - self._statuses_at > READY_CACHE_S:
-            self._statuses = await self.controller.call("replica_statuses")
-            self._statuses_at = time.monotonic()
+            fresh = await self.controller.call("replica_statuses")
+            now = time.monotonic()
+            self._listed_at = {r: t for r, t in self._listed_at.items() if now - t < REPORT_GRACE_S}
+            self._listed_at.update(dict.fromkeys(fresh, now))
+            self._statuses = {**{r: s for r, s in self._statuses.items() if r in self._listed_at}, **fresh}
+            self._statuses_at = now
         return self._statuses
 
     async def _any_ready(self) -> bool:
@@ -155,7 +163,8 @@ class Ingress:
         last = first
         async for item in self._items(first, items):
             last = item
-            yield _sse(shape.chunk(item["text"], item["finish_reason"], first=item is first))
+            if item["text"] or item is first or item["finish_reason"] is not None:
+                yield _sse(shape.chunk(item["text"], item["finish_reason"], first=item is first))
         if include_usage:
             yield _sse(shape.usage_chunk(last["prompt_tokens"], last["completion_tokens"]))
         yield _sse("[DONE]")

@@ -16,14 +16,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import torch
 from ray import serve
 
 from app.config import AppConfig
 from app.controller import ControllerClient
 from app.metrics import RequestMetrics
+from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
-from workers.async_engine import AsyncEngine, EngineDeadError
-from workers.engine import EngineConfig, LLMEngine
+from workers.async_engine import EngineDeadError, StreamEvent
+from workers.engine import EngineConfig
 from workers.sampling import InvalidRequest, SamplingParams
 from workers.scheduler import QueueFull
 
@@ -60,7 +62,7 @@ class LLMReplica:
         self.config = AppConfig.from_args(args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.controller = ControllerClient(self.config)
-        self.state = EngineState.MODEL_LOADED.value
+        self.state = "STARTING"  # until the engine exists; then the engine's own state
         self.metrics = RequestMetrics()
         self.tenant_of: dict[str, str] = {}
         self.disabled: set[str] = set()
@@ -68,26 +70,19 @@ class LLMReplica:
         self.controller.notify("report", self.replica_id, self.status())
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
-        engine, self.tokenizer = await asyncio.to_thread(LLMEngine.from_config, engine_config(self.config))
-        self.engine = engine
-        self.runner = AsyncEngine(engine, self.tokenizer).start()
-        self.state = engine.state.value
+        self.engine = await asyncio.to_thread(make_engine, self.config)
+        await self.engine.start()
+        self.tokenizer = self.engine.tokenizer
+        self.engine_status = await self.engine.status()
         await self._sync_toggles()
         self._background = asyncio.create_task(self._poll())
         await self.controller.call("report", self.replica_id, self.status())
-        log.info("replica %s READY: %s", self.replica_id, engine.runner.table.ready)
+        log.info("replica %s: %s", self.replica_id, self.engine_status["state"])
 
     def status(self) -> dict:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
-        if hasattr(self, "engine"):
-            status.update(
-                state=self.engine.state.value if self.runner.alive else EngineState.FAILED.value,
-                model_revision=self.engine.revision,
-                attention_backend=self.engine.model.attention_backend.name,
-                buckets=self.engine.runner.report(),
-                compile_s=self.engine.runner.compile_s,
-                stats=self.engine.stats.snapshot(),
-            )
+        if hasattr(self, "engine_status"):
+            status.update(self.engine_status)
         return status
 
     async def _sync_toggles(self) -> None:
@@ -100,7 +95,7 @@ class LLMReplica:
         self.disabled = disabled
         for request_id, tenant in list(self.tenant_of.items()):
             if tenant in changed:
-                self.runner.set_graph_denial(request_id, self._denial(tenant))
+                self.engine.set_graph_denial(request_id, self._denial(tenant))
 
     def _denial(self, tenant: str) -> FallbackReason | None:
         return FallbackReason.TENANT_DISABLED if tenant in self.disabled else None
@@ -111,15 +106,19 @@ class LLMReplica:
             try:
                 await self._sync_toggles()
                 if time.monotonic() - last_report >= STATUS_EVERY_S:
+                    try:
+                        await self.engine.check()
+                        self.engine_status = await self.engine.status()
+                    except Exception:
+                        self.engine_status["state"] = EngineState.FAILED.value
                     self.controller.notify("report", self.replica_id, self.status())
                     last_report = time.monotonic()
             except Exception:  # the controller may be restarting; keep the last toggles meanwhile
                 log.warning("controller unreachable; keeping the last tenant toggles", exc_info=True)
             await asyncio.sleep(self.config.toggle_poll_s)
 
-    def check_health(self) -> None:
-        if not self.runner.alive:
-            raise RuntimeError(f"engine loop stopped: {self.runner.error!r}")
+    async def check_health(self) -> None:
+        await self.engine.check()
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Items: {"error", "status"} alone, or {"text", "finish_reason", "prompt_tokens",
@@ -130,20 +129,23 @@ class LLMReplica:
         try:
             prompt_ids = tokenize(self.tokenizer, request)
             params = SamplingParams(**request["sampling"])
-            stream = self.runner.submit(prompt_ids, params, request_id, graph_denial=self._denial(tenant))
+            self.tenant_of[request_id] = tenant
+            stream = aiter(self.engine.submit(prompt_ids, params, request_id, self._denial(tenant)))
+            first = await anext(stream)
         except InvalidRequest as e:
+            self.tenant_of.pop(request_id, None)
             self.metrics.count(tenant, "invalid")
             yield {"error": str(e), "status": 400}
             return
         except (QueueFull, EngineDeadError) as e:
+            self.tenant_of.pop(request_id, None)
             self.metrics.count(tenant, "unavailable")
             yield {"error": str(e), "status": 503}
             return
-        self.tenant_of[request_id] = tenant
         interval = self.config.stream_interval_ms / 1e3
         first_at, outcome = None, "cancelled"
         try:
-            async for event in stream:
+            async for event in _chain(first, stream):
                 now = time.monotonic()
                 if first_at is None and event.completion_tokens:
                     first_at = now
@@ -160,5 +162,17 @@ class LLMReplica:
             self.tenant_of.pop(request_id, None)
             self.metrics.count(tenant, outcome)
 
-    def get_status(self) -> dict:
-        return self.status()
+
+async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+def make_engine(config: AppConfig) -> LocalEngine | ShardGroup:
+    """In-process for tensor_parallel_size 1; otherwise one shard actor per GPU."""
+    if config.tensor_parallel_size == 1:
+        return LocalEngine(engine_config(config))
+    gpu = config.accelerator == "gpu" or (config.accelerator == "auto" and torch.cuda.is_available())
+    return ShardGroup(engine_config(config), config.tensor_parallel_size, num_gpus=1 if gpu else 0,
+                      num_cpus=config.shard_num_cpus, timeout_s=config.collective_timeout_s)  # fmt: skip

@@ -93,7 +93,7 @@ def replace_block(document: str, key: str, text: str) -> str:
         end += 1
     while end > start + 1 and not lines[end - 1].strip():  # blank lines after the block stay outside it
         end -= 1
-    return "".join(lines[: start]) + literal_block(key, text, indent) + "".join(lines[end:])
+    return "".join(lines[:start]) + literal_block(key, text, indent) + "".join(lines[end:])
 
 
 def policy_text(config: dict) -> str:
@@ -124,10 +124,7 @@ def overlay_patch(config: dict, source: str) -> str:
         "kind: RayService\n"
         "metadata:\n"
         f"  name: {RAYSERVICE_NAME}\n"
-        "spec:\n"
-        + literal_block(FIELD, serve_config, "  ")
-        + "---\n"
-        + policy_configmap(config, source)
+        "spec:\n" + literal_block(FIELD, serve_config, "  ") + "---\n" + policy_configmap(config, source)
     )
 
 

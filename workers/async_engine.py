@@ -42,8 +42,10 @@ class StreamEvent:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, tokenizer) -> None:
+    def __init__(self, engine: LLMEngine, tokenizer, heartbeat_s: float | None = None) -> None:
+        """heartbeat_s: with tensor parallelism, how often an idle loop tells the followers it lives."""
         self.engine = engine
+        self.heartbeat_s = heartbeat_s
         self.tokenizer = tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -178,11 +180,13 @@ class AsyncEngine:
                 events = self._apply_commands()
                 if self.engine.has_work():
                     events += self.engine.step()
+                elif not self._wake.wait(timeout=self.heartbeat_s):
+                    self.engine.heartbeat()
                 else:
-                    self._wake.wait()
                     self._wake.clear()
                 if events:
                     self._loop.call_soon_threadsafe(self._deliver, events)
+            self.engine.stop_followers()
             # shut down: streams still open would otherwise wait forever for their next event
             with contextlib.suppress(RuntimeError):  # the event loop may already be closed
                 if self._loop is not None:

@@ -18,10 +18,13 @@ from workers.checkpoint import load_model, load_tokenizer, model_revision
 from workers.config import DTYPES, load_config
 from workers.default_model import default_model_dir
 from workers.graph_runner import GraphRunner
+from workers.kv_cache import KVCache
 from workers.model import LlamaModel
+from workers.parallel import TPGroup
 from workers.sampling import SamplingParams, sample
 from workers.scheduler import Scheduler, Sequence
 from workers.stats import EngineStats
+from workers.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
+    """What every rank does to a loaded model before capture: pick the attention backend and
+    allocate the KV cache."""
+    model.attention_backend = make_backend(config.attention_backend)
+    return model.make_kv_cache(config.max_num_seqs)
+
+
+def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | None = None):
+    """(model, tokenizer, eos ids, revision) for the checkpoint the config names."""
+    model_dir = Path(config.model) if config.model else default_model_dir()
+    cfg = load_config(model_dir)
+    max_len = min(config.max_model_len, cfg.max_position_embeddings)
+    dtype = DTYPES[config.dtype] if config.dtype else None
+    model = load_model(model_dir, max_len, device, dtype, tp=tp)
+    tokenizer = load_tokenizer(model_dir)
+    eos = set(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return model, tokenizer, tuple(sorted(eos)), model_revision(model_dir)
+
+
 class LLMEngine:
     """Construction takes the engine through MODEL_LOADED -> EAGER_WARMED -> GRAPH_CAPTURED -> READY:
-    by the time it returns, every graph the policy allows is captured and verified."""
+    by the time it returns, every graph the policy allows is captured and verified. With tensor
+    parallelism this is rank 0: `channel` hands each model call's inputs to the other ranks."""
 
     def __init__(
         self,
@@ -62,6 +87,7 @@ class LLMEngine:
         config: EngineConfig,
         eos_token_ids: tuple[int, ...] = (),
         revision: str = "random",
+        channel: StepChannel | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -70,8 +96,7 @@ class LLMEngine:
         self.device = model.embed.weight.device
         self.max_model_len = model.max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        model.attention_backend = make_backend(config.attention_backend)
-        self.cache = model.make_kv_cache(config.max_num_seqs)
+        self.cache = prepare_model(model, config)
         self.scheduler = Scheduler(
             config.max_num_seqs,
             self.max_model_len,
@@ -81,13 +106,9 @@ class LLMEngine:
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
         self.runner = GraphRunner(model, self.cache, config.graph_policy)
+        self.channel = channel
         try:
-            self.runner.warmup()
-            self.state = EngineState.EAGER_WARMED
-            if self.runner.enabled:
-                self.runner.capture()
-                self.state = EngineState.GRAPH_CAPTURED
-                self.runner.verify()
+            self.runner.prepare(on_state=self._set_state)
         except Exception:
             self.state = EngineState.FAILED
             raise
@@ -96,16 +117,33 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
         """Load the checkpoint named by the config (or the default); returns (engine, tokenizer)."""
-        model_dir = Path(config.model) if config.model else default_model_dir()
-        cfg = load_config(model_dir)
-        max_len = min(config.max_model_len, cfg.max_position_embeddings)
-        dtype = DTYPES[config.dtype] if config.dtype else None
-        model = load_model(model_dir, max_len, resolve_device(config.device), dtype)
-        tokenizer = load_tokenizer(model_dir)
-        eos = set(cfg.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        return cls(model, config, tuple(sorted(eos)), model_revision(model_dir)), tokenizer
+        model, tokenizer, eos, revision = load_for_engine(config, resolve_device(config.device))
+        return cls(model, config, eos, revision), tokenizer
+
+    def status(self) -> dict:
+        """What operators see per replica: state, revision, backend, buckets, counters."""
+        return {
+            "state": self.state.value,
+            "model_revision": self.revision,
+            "attention_backend": self.model.attention_backend.name,
+            "buckets": self.runner.report(),
+            "compile_s": self.runner.compile_s,
+            "stats": self.stats.snapshot(),
+        }
+
+    def _set_state(self, state: EngineState) -> None:
+        self.state = state
+
+    def _send(self, op: int, rows: int, values: list[int]) -> None:
+        if self.channel is not None:
+            self.channel.send(op, rows, values)
+
+    def heartbeat(self) -> None:
+        """Tell follower ranks rank 0 is alive while there is nothing to do."""
+        self._send(NOOP, 0, [])
+
+    def stop_followers(self) -> None:
+        self._send(STOP, 0, [])
 
     def new_sequence(
         self,
@@ -160,6 +198,7 @@ class LLMEngine:
         positions = [p for s in seqs for p in range(len(s.prompt_ids))]
         slots = [s.slot for s in seqs for _ in s.prompt_ids]
         lens = [len(s.prompt_ids) for s in seqs]
+        self._send(PREFILL, len(seqs), tokens + positions + slots + lens)
         logits = self.model.prefill(
             self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache
         )
@@ -177,14 +216,18 @@ class LLMEngine:
             if allowed:
                 logits[allowed] = self._decode_rows([seqs[i] for i in allowed]).float()
             rows = [i for group in denied.values() for i in group]
-            logits[rows] = self.runner.eager(*self._inputs([seqs[i] for i in rows])).float()
+            inputs = self._inputs([seqs[i] for i in rows])
+            self._send(EAGER, len(rows), [v for column in inputs for v in column])
+            logits[rows] = self.runner.eager(*inputs).float()
             for reason, group in denied.items():
                 self.stats.record_step("eager", "none", reason.value, len(group), 0)
         self._accept(seqs, logits, events)
         self.stats.record_decode(len(seqs))
 
     def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
-        logits, d = self.runner.decode(*self._inputs(seqs))
+        inputs = self._inputs(seqs)
+        self._send(DECODE, len(seqs), [v for column in inputs for v in column])
+        logits, d = self.runner.decode(*inputs)
         reason = d.reason.value if d.reason else "none"
         self.stats.record_step(d.mode.value, d.bucket_id, reason, len(seqs), (d.bucket or len(seqs)) - len(seqs))
         return logits

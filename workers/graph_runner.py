@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policies.dispatch import BucketTable, Dispatch, ExecutionMode, FallbackReason
+from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason
 from policies.graph_policy import GraphPolicy
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
@@ -259,6 +259,29 @@ class GraphRunner:
                 self.table.mark_missing(bucket, FallbackReason.VERIFY_MISMATCH, detail)
                 self._drop(bucket)
                 log.warning("bucket %d failed verification: %s", bucket, detail)
+
+    def agree(self) -> None:
+        """With tensor parallelism: a bucket replays only if it captured and verified on every
+        rank; otherwise all ranks run it eager (`capture_error`), so they always replay together."""
+        tp = self.model.tp
+        if tp.world_size == 1 or not self.enabled:
+            return
+        local = torch.tensor([b in self.table.ready for b in self.table.buckets], dtype=torch.int32, device=self.device)
+        torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MIN, group=tp.group)
+        for bucket, everywhere in zip(self.table.buckets, local.tolist()):
+            if bucket in self.table.ready and not everywhere:
+                self.table.mark_missing(bucket, FallbackReason.CAPTURE_ERROR, "failed on another tensor-parallel rank")
+                self._drop(bucket)
+
+    def prepare(self, on_state: Callable[[EngineState], None] = lambda state: None) -> None:
+        """Warm up, capture, verify and (with TP) agree, in the same order on every rank."""
+        self.warmup()
+        on_state(EngineState.EAGER_WARMED)
+        if self.enabled:
+            self.capture()
+            on_state(EngineState.GRAPH_CAPTURED)
+            self.verify()
+            self.agree()
 
     def report(self) -> dict:
         """Per-bucket capture facts for status pages."""

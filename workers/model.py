@@ -52,13 +52,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str | None) -> None:
         super().__init__()
-        tp.shard(cfg.num_heads, "num_attention_heads")
-        tp.shard(cfg.num_kv_heads, "num_key_value_heads")
-        self.num_heads = cfg.num_heads // tp.world_size
-        self.num_kv_heads = cfg.num_kv_heads // tp.world_size
-        self.head_dim = cfg.head_dim
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.qkv_bias, tp, cfg.dtype, device)
+        d = cfg.head_dim
+        q_start, q_stop = tp.shard(cfg.num_heads, "num_attention_heads")
+        kv_start, kv_stop = tp.kv_heads(cfg.num_kv_heads)
+        self.num_heads = q_stop - q_start
+        self.num_kv_heads = kv_stop - kv_start
+        self.head_dim = d
+        kv_rows = (kv_start * d, kv_stop * d)
+        parts = [(q_start * d, q_stop * d), kv_rows, kv_rows]
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, parts, cfg.qkv_bias, tp, cfg.dtype, device)
+        q = cfg.num_heads * d
         self.o = RowParallelLinear(q, cfg.hidden_size, cfg.o_bias, tp, cfg.dtype, device)
 
     def project(
@@ -74,9 +77,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str | None) -> None:
         super().__init__()
-        i = cfg.intermediate_size
+        i = tp.shard(cfg.intermediate_size, "intermediate_size")
         self.gate_up = ColumnParallelLinear(cfg.hidden_size, [i, i], False, tp, cfg.dtype, device)
-        self.down = RowParallelLinear(i, cfg.hidden_size, False, tp, cfg.dtype, device)
+        self.down = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, cfg.dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -113,9 +116,11 @@ class LlamaModel(nn.Module):
         self.norm = ReplicatedParameter([cfg.hidden_size], cfg.dtype, device)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
+            # Vocab-parallel: each rank computes logits for its share of the (padded) vocabulary.
             self.lm_head = ColumnParallelLinear(
-                cfg.hidden_size, [cfg.vocab_size], False, self.tp, cfg.dtype, device, gather_output=True
-            )
+                cfg.hidden_size, [self.tp.shard_padded(cfg.vocab_size)], False, self.tp, cfg.dtype, device,
+                gather_output=True,
+            )  # fmt: skip
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(cfg))
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(cfg.dtype).to(device), persistent=False)
@@ -160,7 +165,7 @@ class LlamaModel(nn.Module):
         h = rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps)
         if self.lm_head is None:
             return F.linear(h, self.embed.weight)
-        return self.lm_head(h)
+        return self.lm_head(h)[..., : self.cfg.vocab_size]
 
     def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor):
         """Hidden states and the rope cos/sin rows for these tokens."""

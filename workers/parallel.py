@@ -47,6 +47,24 @@ class TPGroup:
         per = size // self.world_size
         return self.rank * per, (self.rank + 1) * per
 
+    def shard_padded(self, size: int) -> tuple[int, int]:
+        """An equal share of `size` rounded up to a multiple of the world size; the last rank's
+        range may run past `size` (those rows stay zero and are cut after gathering)."""
+        per = -(-size // self.world_size)
+        return self.rank * per, (self.rank + 1) * per
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """This rank's KV heads: an equal share, or, with fewer KV heads than ranks, one head
+        replicated across each group of world_size / num_kv_heads ranks."""
+        if num_kv_heads % self.world_size == 0:
+            return self.shard(num_kv_heads, "num_key_value_heads")
+        if self.world_size % num_kv_heads == 0:
+            head = self.rank * num_kv_heads // self.world_size
+            return head, head + 1
+        raise ValueError(
+            f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={self.world_size}: one must divide the other"
+        )
+
 
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks. Fused layers (QKV, gate/up) list their parts' sizes:
@@ -55,22 +73,22 @@ class ColumnParallelLinear(nn.Module):
     def __init__(
         self,
         in_features: int,
-        part_sizes: Sequence[int],
+        part_ranges: Sequence[tuple[int, int]],
         bias: bool,
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
         gather_output: bool = False,
     ) -> None:
+        """part_ranges: for each fused part, the [start, stop) of its output rows this rank holds."""
         super().__init__()
         self.tp = tp
         self.gather_output = gather_output
-        self.part_ranges = [tp.shard(size, "output features") for size in part_sizes]
+        self.part_ranges = list(part_ranges)
         local = [stop - start for start, stop in self.part_ranges]
         self.part_offsets = [sum(local[:i]) for i in range(len(local))]
-        self.local_sizes = local
-        self.weight = nn.Parameter(torch.empty(sum(local), in_features, dtype=dtype, device=device), False)
-        self.bias = nn.Parameter(torch.empty(sum(local), dtype=dtype, device=device), False) if bias else None
+        self.weight = nn.Parameter(torch.zeros(sum(local), in_features, dtype=dtype, device=device), False)
+        self.bias = nn.Parameter(torch.zeros(sum(local), dtype=dtype, device=device), False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -78,9 +96,10 @@ class ColumnParallelLinear(nn.Module):
 
     def load(self, name: str, part: int, read: SliceReader) -> None:
         start, stop = self.part_ranges[part]
+        rows = read(0, start, stop)  # shorter than stop - start where a padded range runs past the end
         lo = self.part_offsets[part]
         target = self.weight if name == "weight" else self.bias
-        target.data[lo : lo + stop - start].copy_(read(0, start, stop))
+        target.data[lo : lo + rows.shape[0]].copy_(rows)
 
 
 class RowParallelLinear(nn.Module):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 import uuid
@@ -55,7 +54,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
         except Exception as e:  # noqa: BLE001 - keep polling, report the last error on timeout
             last_error = e
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error!r}" if last_error else ""))
+            pytest.fail(
+                f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error!r}" if last_error else "")
+            )
         time.sleep(interval)
 
 

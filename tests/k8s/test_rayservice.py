@@ -139,23 +139,42 @@ def test_dashboard_and_admin_stay_inside_the_cluster(docs):
         assert "defaultBackend" not in ingress["spec"]
 
 
+def replica_shape(args: dict) -> tuple[float, int]:
+    """(CPUs, GPUs) one LLM replica takes, all on one node, as app/builder.py asks Ray for them: the
+    replica's CPUs, plus with tensor parallelism one STRICT_PACK bundle per shard (CPUs and a GPU)."""
+    tp = args.get("tensor_parallel_size", 1)
+    cpus = args.get("replica_num_cpus", 1.0) + (tp * args.get("shard_num_cpus", 1.0) if tp > 1 else 0)
+    return cpus, (tp if args["accelerator"] == "gpu" else 0)
+
+
+def placed(pods: int, pod_cpus: float, pod_gpus: int, replicas: int, replica: tuple[float, int], ingress: float):
+    """First-fit: do `replicas` replicas and one ingress fit on `pods` worker Pods?"""
+    free = [[pod_cpus, pod_gpus] for _ in range(pods)]
+    for cpus, gpus in [replica] * replicas + [(ingress, 0)]:
+        pod = next((f for f in free if f[0] >= cpus and f[1] >= gpus), None)
+        if pod is None:
+            return False
+        pod[0] -= cpus
+        pod[1] -= gpus
+    return True
+
+
 def test_autoscaling_and_capacity(docs):
-    """The worker group at maxReplicas holds Serve's autoscaling.max_replicas LLM replicas (GPUs and
-    CPUs) plus the ingress; at minReplicas it holds min_replicas."""
+    """The worker group at maxReplicas Pods holds Serve's autoscaling.max_replicas LLM replicas (each
+    with its tensor_parallel_size GPUs on one Pod) plus the ingress; at minReplicas, min_replicas."""
     cluster, args = m.cluster(docs), m.app_args(docs)
     assert cluster["enableInTreeAutoscaling"] is True
-    ((_, group),) = [(t, g) for t, g in m.groups(docs) if t == "worker"]
+    (group,) = m.workers(docs)
     limits = m.ray_container(group)["resources"]["limits"]
-    cpus, gpus = m.quantity(limits["cpu"]), int(m.quantity(limits.get("nvidia.com/gpu", 0)))
-    replica_cpus, ingress_cpus = args.get("replica_num_cpus", 1.0), args.get("ingress_num_cpus", 0.5)
+    pod_cpus, pod_gpus = m.quantity(limits["cpu"]), int(m.quantity(limits.get("nvidia.com/gpu", 0)))
+    replica, ingress = replica_shape(args), args.get("ingress_num_cpus", 0.5)
     auto = args["autoscaling"]
-    if gpus:
-        gpus_per_replica = args.get("tensor_parallel_size", 1)
-        assert group["maxReplicas"] * (gpus // gpus_per_replica) >= auto["max_replicas"]
-        assert group["minReplicas"] * (gpus // gpus_per_replica) >= auto["min_replicas"]
-    else:
-        assert group["maxReplicas"] * cpus >= auto["max_replicas"] * replica_cpus + ingress_cpus
-        assert group["minReplicas"] * cpus >= auto["min_replicas"] * replica_cpus + ingress_cpus
+    for pods, replicas in ((group["maxReplicas"], auto["max_replicas"]), (group["minReplicas"], auto["min_replicas"])):
+        assert placed(pods, pod_cpus, pod_gpus, replicas, replica, ingress), (
+            f"{pods} worker Pods of {pod_cpus} CPUs / {pod_gpus} GPUs cannot hold {replicas} replicas of "
+            f"{replica[0]} CPUs / {replica[1]} GPUs (tensor_parallel_size {args.get('tensor_parallel_size', 1)}) "
+            f"plus the ingress"
+        )
 
 
 def test_metrics_ports_match_ray_start(docs):
@@ -167,6 +186,7 @@ def test_metrics_ports_match_ray_start(docs):
 def test_one_image_named_once(docs):
     """The image (and so the Ray and Python versions) is named in k8s/base/kustomization.yaml; the
     RayService's rayVersion, k8s/Dockerfile's defaults and pyproject.toml agree with it."""
+    from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 
     (image,) = yaml.safe_load((m.K8S / "base" / "kustomization.yaml").read_text())["images"]
@@ -181,8 +201,8 @@ def test_one_image_named_once(docs):
     assert re.search(rf"^ARG PYTHON_VERSION={tag['py']}$", dockerfile, re.M)
     project = tomllib.loads((m.REPO / "pyproject.toml").read_text())["project"]
     assert tag["app"] == project["version"]
-    (ray_req,) = [d for d in project["dependencies"] if d.startswith("ray")]
-    assert tag["ray"] in SpecifierSet(ray_req.split("]", 1)[-1]), f"Ray {tag['ray']} vs {ray_req}"
+    (ray_req,) = [r for r in map(Requirement, project["dependencies"]) if r.name == "ray"]
+    assert tag["ray"] in ray_req.specifier, f"the image's Ray {tag['ray']} vs pyproject's {ray_req}"
     python = f"{tag['py'][0]}.{tag['py'][1:]}"
     assert f"{python}.0" in SpecifierSet(project["requires-python"])
 

@@ -35,7 +35,7 @@ def make_hf_checkpoint(path: Path, model_type: str, seed: int = 0, **extra):
     `path` as a real checkpoint, and return the HF model in eval mode as the reference."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, **HF_SHAPE, **extra)
+    cfg = AutoConfig.for_model(model_type, **{**HF_SHAPE, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     g = torch.Generator().manual_seed(seed)

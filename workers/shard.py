@@ -1,0 +1,69 @@
+"""One tensor-parallel rank of a replica: its share of the weights, its KV cache and its graphs.
+
+Rank 0 runs the whole engine (scheduler, sampling, the asyncio streaming front) and drives the other
+ranks through the step channel; ranks > 0 follow in a thread. The serving layer wraps this class in
+a Ray actor per GPU; nothing here knows about Ray.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+import torch
+
+from policies.dispatch import FallbackReason
+from workers.async_engine import AsyncEngine, StreamEvent
+from workers.engine import EngineConfig, LLMEngine, load_for_engine, prepare_model, resolve_device
+from workers.graph_runner import GraphRunner
+from workers.sampling import SamplingParams
+from workers.tp import StepChannel, follow, init_tp_group
+
+
+class ShardWorker:
+    def __init__(
+        self, rank: int, world_size: int, init_method: str, config: EngineConfig, timeout_s: float = 30.0
+    ) -> None:
+        device = resolve_device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)  # Ray gives each shard actor its own GPU as device 0
+        self.rank = rank
+        self.tp = init_tp_group(rank, world_size, init_method, device, timeout_s)
+        model, self.tokenizer, eos, revision = load_for_engine(config, device, self.tp)
+        self.channel = StepChannel(self.tp, device)
+        self.error: BaseException | None = None
+        if rank == 0:
+            engine = LLMEngine(model, config, eos, revision, channel=self.channel)
+            self.engine = AsyncEngine(engine, self.tokenizer, heartbeat_s=timeout_s / 4).start()
+            self.runner = engine.runner
+        else:
+            cache = prepare_model(model, config)
+            self.runner = GraphRunner(model, cache, config.graph_policy)
+            self.runner.prepare()
+            self._thread = threading.Thread(target=self._follow, args=(model, cache), daemon=True)
+            self._thread.start()
+
+    def _follow(self, model, cache) -> None:
+        try:
+            follow(self.channel, model, self.runner, cache)
+        except BaseException as e:  # a timed-out or broken collective ends this rank
+            self.error = e
+
+    def alive(self) -> bool:
+        if self.rank == 0:
+            return self.engine.alive
+        return self._thread.is_alive() and self.error is None
+
+    # -- rank 0 only -------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, graph_denial: FallbackReason | None
+    ) -> AsyncIterator[StreamEvent]:
+        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial):
+            yield event
+
+    def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
+        self.engine.set_graph_denial(request_id, reason)
+
+    def status(self) -> dict:
+        return self.engine.engine.status()
