@@ -112,8 +112,8 @@ class AsyncEngine:
         try:
             while not finished:
                 item = self._merge(await events.get(), events)
-                produced += len(item.token_ids)
-                text, hit_stop = detok.add(item.token_ids)
+                token_ids, text, hit_stop = self._detokenize(detok, item.token_ids)
+                produced += len(token_ids)
                 reason = item.finish_reason
                 if hit_stop:
                     reason = "stop"
@@ -121,10 +121,24 @@ class AsyncEngine:
                 if reason is not None:
                     text += "" if hit_stop else detok.flush()
                     finished = True
-                yield StreamEvent(seq.request_id, item.token_ids, text, len(seq.prompt_ids), produced, reason)
+                yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason)
         finally:
             if not finished:
                 self.cancel(seq.request_id)
+
+    @staticmethod
+    def _detokenize(detok: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[int], str, bool]:
+        """(tokens, their text, stop string hit). With stop strings, a merged event is read token by
+        token: the tokens the engine drew past a stop string are neither returned nor counted."""
+        if not detok.stop or len(token_ids) <= 1:
+            return token_ids, *detok.add(token_ids)
+        text = ""
+        for n, token in enumerate(token_ids, 1):
+            piece, hit = detok.add([token])
+            text += piece
+            if hit:
+                return token_ids[:n], text, True
+        return token_ids, text, False
 
     @staticmethod
     def _merge(item: TokenEvent | BaseException, events: asyncio.Queue) -> TokenEvent:
