@@ -49,7 +49,7 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 async def _json_body(request: Request) -> dict | JSONResponse:
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         return error_response(400, f"request body is not valid JSON: {e.msg if hasattr(e, 'msg') else e}")
     if not isinstance(body, dict):
         return error_response(400, "request body must be a JSON object")
@@ -124,12 +124,10 @@ class Ingress:
         if not await self._any_ready():
             return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
         chat = schema is ChatRequest
-        # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat.
-        default_max_tokens = self.config.max_model_len if chat else 16
         payload = {
             "tenant": tenant,
             "kind": "chat" if chat else "completion",
-            "sampling": req.sampling(default_max_tokens),
+            "sampling": req.sampling(),
         }
         if chat:
             payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]

@@ -54,8 +54,10 @@ class SamplingFields(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
 
-    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
-        return dict(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+    def sampling(self) -> dict[str, Any]:
+        """Sampling fields for the replica; max_tokens None = the endpoint's default, which the
+        replica fits to the room the prompt leaves."""
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature,
                     top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
                     ignore_eos=self.ignore_eos)  # fmt: skip
 
@@ -85,8 +87,8 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: Literal[False] | None = None
 
-    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
-        fields = super().sampling(default_max_tokens)
+    def sampling(self) -> dict[str, Any]:
+        fields = super().sampling()
         fields["max_tokens"] = self.max_completion_tokens or fields["max_tokens"]
         return fields
 

@@ -128,7 +128,11 @@ class LLMReplica:
         start = time.monotonic()
         try:
             prompt_ids = tokenize(self.tokenizer, request)
-            params = SamplingParams(**request["sampling"])
+            sampling = dict(request["sampling"])
+            sampling["max_tokens"] = fit_max_tokens(
+                request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status["max_model_len"]
+            )
+            params = SamplingParams(**sampling)
             self.tenant_of[request_id] = tenant
             stream = aiter(self.engine.submit(prompt_ids, params, request_id, self._denial(tenant)))
             first = await anext(stream)
@@ -167,6 +171,23 @@ async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncI
     yield first
     async for event in rest:
         yield event
+
+
+def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """OpenAI's rule: prompt + max_tokens must fit the context, else 400. Without max_tokens,
+    completions default to 16 tokens and chat to the rest of the context, both within the room left."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            f"the prompt has {prompt_tokens} tokens: no room for a completion within max_model_len={max_model_len}"
+        )
+    if requested is None:
+        return min(room, 16) if kind == "completion" else room
+    if requested > room:
+        raise InvalidRequest(
+            f"max_tokens={requested} plus the prompt's {prompt_tokens} tokens exceeds max_model_len={max_model_len}"
+        )
+    return requested
 
 
 def make_engine(config: AppConfig) -> LocalEngine | ShardGroup:

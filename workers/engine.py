@@ -124,6 +124,7 @@ class LLMEngine:
         """What operators see per replica: state, revision, backend, buckets, counters."""
         return {
             "state": self.state.value,
+            "max_model_len": self.max_model_len,
             "model_revision": self.revision,
             "attention_backend": self.model.attention_backend.name,
             "buckets": self.runner.report(),
@@ -134,16 +135,17 @@ class LLMEngine:
     def _set_state(self, state: EngineState) -> None:
         self.state = state
 
-    def _send(self, op: int, rows: int, values: list[int]) -> None:
+    def _send(self, op: int, rows: int, *columns: list[int]) -> None:
+        """Hand a model call's inputs to the follower ranks (nothing to do without tensor parallelism)."""
         if self.channel is not None:
-            self.channel.send(op, rows, values)
+            self.channel.send(op, rows, [v for column in columns for v in column])
 
     def heartbeat(self) -> None:
         """Tell follower ranks rank 0 is alive while there is nothing to do."""
-        self._send(NOOP, 0, [])
+        self._send(NOOP, 0)
 
     def stop_followers(self) -> None:
-        self._send(STOP, 0, [])
+        self._send(STOP, 0)
 
     def new_sequence(
         self,
@@ -198,7 +200,7 @@ class LLMEngine:
         positions = [p for s in seqs for p in range(len(s.prompt_ids))]
         slots = [s.slot for s in seqs for _ in s.prompt_ids]
         lens = [len(s.prompt_ids) for s in seqs]
-        self._send(PREFILL, len(seqs), tokens + positions + slots + lens)
+        self._send(PREFILL, len(seqs), tokens, positions, slots, lens)
         logits = self.model.prefill(
             self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache
         )
@@ -217,7 +219,7 @@ class LLMEngine:
                 logits[allowed] = self._decode_rows([seqs[i] for i in allowed]).float()
             rows = [i for group in denied.values() for i in group]
             inputs = self._inputs([seqs[i] for i in rows])
-            self._send(EAGER, len(rows), [v for column in inputs for v in column])
+            self._send(EAGER, len(rows), *inputs)
             logits[rows] = self.runner.eager(*inputs).float()
             for reason, group in denied.items():
                 self.stats.record_step("eager", "none", reason.value, len(group), 0)
@@ -226,7 +228,7 @@ class LLMEngine:
 
     def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
         inputs = self._inputs(seqs)
-        self._send(DECODE, len(seqs), [v for column in inputs for v in column])
+        self._send(DECODE, len(seqs), *inputs)
         logits, d = self.runner.decode(*inputs)
         reason = d.reason.value if d.reason else "none"
         self.stats.record_step(d.mode.value, d.bucket_id, reason, len(seqs), (d.bucket or len(seqs)) - len(seqs))

@@ -94,7 +94,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
     scaled = logits / temps[:, None]
     if any(p.top_k or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
+        # a top_k beyond the vocabulary keeps every token; clamped, it also fits the int64 tensor
+        top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         scaled = filter_top_k_top_p(scaled, top_k, top_p)
     seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)

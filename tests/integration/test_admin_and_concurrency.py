@@ -33,7 +33,8 @@ pytestmark = pytest.mark.timeout(120)
 
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 MODEL = "slow-llama"
-TOGGLE_APPLIED_S = 2.1  # toggle_poll_s is 0.5 s; the brief's bound for a toggle to reach replicas is 2 s
+LONG = 240  # tokens: ~3 s on the slow checkpoint; prompt + LONG stays within max_model_len 256
+TOGGLE_APPLIED_S = 2.1  # replicas poll toggles every toggle_poll_s = 0.5 s: ample time to apply one
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,7 @@ def test_toggle_applies_to_a_running_request(server):
     body = {
         "model": MODEL,
         "prompt": "toggle me",
-        "max_tokens": 200,
+        "max_tokens": LONG,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -193,14 +194,11 @@ def test_toggle_applies_to_a_running_request(server):
         rest = [line for line in lines if line.strip()]
     try:
         events = json_events([first, *rest])
-        assert events[-1]["usage"]["completion_tokens"] == 200  # it ran to the end
+        assert events[-1]["usage"]["completion_tokens"] == LONG  # it ran to the end
         assert events[-2]["choices"][0]["finish_reason"] == "length"
-        disabled = wait_for(
-            lambda: rows(server.replica_status(), "tenant_disabled") - before,
-            10,
-            what="tenant_disabled rows from the running request",
-        )
-        assert 0 < disabled < 199  # part of its decode steps ran before the toggle, part after
+        # the stream has ended: once the replica's reports stop changing they hold all its steps
+        disabled = settled(lambda: rows(server.replica_status(), "tenant_disabled")) - before
+        assert 0 < disabled < LONG - 1  # part of its decode steps ran before the toggle, part after
     finally:
         put_toggle(server, "tenant-a", True)
 
@@ -357,7 +355,7 @@ def test_client_disconnect_aborts_request(server):
     status = settled(server.replica_status, timeout=15)
     aborts = status["stats"]["finished_requests"].get("abort", 0)
     generated = status["stats"]["generated_tokens"]
-    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": LONG, "temperature": 0, "stream": True}
     seen = []
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body, headers=server.key_headers("tenant-b")) as r:
@@ -375,7 +373,7 @@ def test_client_disconnect_aborts_request(server):
         10,
         what="the replica to count the disconnected request as 'abort'",
     )
-    assert after["stats"]["generated_tokens"] - generated < 200  # it was stopped, not run to the end
+    assert after["stats"]["generated_tokens"] - generated < LONG  # it was stopped, not run to the end
     cancelled = [r for r in after["requests"]["requests"] if r["tenant"] == "tenant-b" and r["outcome"] == "cancelled"]
     assert cancelled and cancelled[0]["count"] >= 1
 

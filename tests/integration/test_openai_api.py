@@ -303,10 +303,13 @@ def test_bad_body_is_400(server, endpoint, changes, needles):
     assert error["type"] == "invalid_request_error"
 
 
+DEEP = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
 @pytest.mark.parametrize(
     "raw",
-    [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"just a string"', b"null"],
-    ids=["malformed", "empty", "not-utf8", "array", "string", "null"],
+    [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"just a string"', b"null", DEEP],
+    ids=["malformed", "empty", "not-utf8", "array", "string", "null", "nested-too-deep"],
 )
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_non_object_json_is_400(server, raw, path):
@@ -347,29 +350,47 @@ def test_openai_client_raises_bad_request(server, client):
     assert "n" in str(info.value)
 
 
-def test_huge_max_tokens_is_capped_by_context(server):
-    """max_tokens far beyond the context (10**9) is accepted and generation stops at max_model_len
-    with finish_reason 'length' (or earlier at EOS): a clean 200, never a 5xx or a hang."""
-    r = server.complete(max_tokens=10**9)
+def test_max_tokens_beyond_the_context_is_refused(server):
+    """As OpenAI does: prompt + max_tokens beyond max_model_len is a 400 naming max_model_len; without
+    max_tokens the default fits the room left, and the server keeps serving."""
+    assert_openai_error(server.complete(max_tokens=10**9), 400, "max_tokens", str(MAX_MODEL_LEN))
+    r = server.complete(max_tokens=None)
     assert r.status_code == 200, r.text
-    body = r.json()
-    usage, finish = body["usage"], body["choices"][0]["finish_reason"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] <= MAX_MODEL_LEN
-    if finish == "length":
-        assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
-    else:
-        assert finish == "stop"
+    assert r.json()["usage"]["completion_tokens"] <= 16
+    assert server.complete(max_tokens=4).status_code == 200
 
 
 def test_prompt_exactly_max_model_len(server):
-    """A prompt that fills the whole context is accepted; the one token its prefill samples is all
-    it gets (finish_reason 'length'), the KV cache is never written past max_model_len."""
-    r = server.complete(prompt=[120] * MAX_MODEL_LEN, max_tokens=5)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["usage"]["prompt_tokens"] == MAX_MODEL_LEN
-    assert body["usage"]["completion_tokens"] <= 1
-    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    """A prompt that fills the whole context leaves no room for a completion: 400 naming
+    max_model_len, whether or not max_tokens is given."""
+    assert_openai_error(server.complete(prompt=[120] * MAX_MODEL_LEN, max_tokens=5), 400, str(MAX_MODEL_LEN))
+    assert_openai_error(server.complete(prompt=[120] * MAX_MODEL_LEN, max_tokens=None), 400, "no room")
+
+
+EXTREME = [
+    ("top_k-beyond-int64", {"top_k": 2**70, "temperature": 1.0}),
+    ("top_k-int64-max", {"top_k": 2**63 - 1, "temperature": 1.0}),
+    ("max_tokens-beyond-int64", {"max_tokens": 2**70}),
+    ("temperature-tiny", {"temperature": 1e-30}),
+    ("top_p-tiny", {"top_p": 1e-30, "temperature": 1.0}),
+    ("seed-int64-min", {"seed": -(2**63), "temperature": 1.0}),
+    ("seed-int64-max", {"seed": 2**63 - 1, "temperature": 1.0}),
+    ("stop-longer-than-output", {"stop": ["x" * 5000]}),
+]
+
+
+@pytest.mark.parametrize("fields", [c[1] for c in EXTREME], ids=[c[0] for c in EXTREME])
+def test_extreme_values_do_not_take_the_engine_down(server, fields):
+    """Valid but extreme sampling values are served (or refused with a 4xx); the engine loop, which
+    batches every request together, survives them and the next request is served."""
+    r = server.complete(**{"max_tokens": 4, **fields})
+    assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
+    if r.status_code == 200:
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    else:
+        assert_openai_error(r, r.status_code)
+    after = server.complete(max_tokens=2)
+    assert after.status_code == 200, after.text
 
 
 def test_still_serves_after_bad_inputs(server, client):

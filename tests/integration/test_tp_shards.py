@@ -1,0 +1,92 @@
+"""Tensor-parallel shard actors on CPU (gloo): TP = 2 decodes what TP = 1 decodes, and a dead
+shard is noticed quickly without anything hanging."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from app.shards import ShardGroup
+from tests.unit.conftest import make_hf_checkpoint
+from workers.default_model import build_byte_tokenizer
+from workers.engine import EngineConfig, LLMEngine
+from workers.sampling import SamplingParams
+
+STEPS = 32
+PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 1, 2, 3], [256, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 100, 200]]
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("models")
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"GRAPHSERVE_CACHE": str(cache)}})
+    yield cache
+    ray.shutdown()
+
+
+def greedy_in_process(config: EngineConfig) -> list[list[int]]:
+    engine, _ = LLMEngine.from_config(config)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    while engine.has_work():
+        engine.step()
+    return [s.output_ids for s in seqs]
+
+
+async def greedy_sharded(group: ShardGroup) -> list[list[int]]:
+    async def one(i, prompt):
+        tokens = []
+        params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+        async for event in group.submit(prompt, params, f"req-{i}", None):
+            tokens += event.token_ids
+        return tokens
+
+    await group.start()
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+
+def qwen2_checkpoint(path):
+    """Qwen2-style (QKV bias) with a single KV head: with TP = 2 each rank holds a replica of it."""
+    make_hf_checkpoint(path, "qwen2", seed=5, num_key_value_heads=1)
+    build_byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tp2_tokens_equal_tp1(ray_cluster, tmp_path, monkeypatch, family):
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(ray_cluster))
+    model = qwen2_checkpoint(tmp_path) if family == "qwen2" else None
+    config = EngineConfig(model=model, max_num_seqs=4, max_model_len=128, device="cpu")
+    group = ShardGroup(config, world_size=2, num_gpus=0, num_cpus=0.5, timeout_s=20)
+    sharded = asyncio.run(greedy_sharded(group))
+    assert sharded == greedy_in_process(config)
+    assert all(len(t) == STEPS for t in sharded)
+
+
+def test_dead_shard_is_noticed_and_nothing_hangs(ray_cluster, monkeypatch):
+    """Killing rank 1 fails the group's health check at once, and a request in flight ends with an
+    error within the collective timeout instead of waiting forever."""
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(ray_cluster))
+    config = EngineConfig(max_num_seqs=2, max_model_len=128, device="cpu")
+    group = ShardGroup(config, world_size=2, num_gpus=0, num_cpus=0.5, timeout_s=5)
+
+    async def scenario():
+        await group.start()
+        await group.check()
+        params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        stream = group.submit(PROMPTS[0], params, "long", None)
+        await anext(stream)
+        ray.kill(group.shards[1])
+        t0 = time.monotonic()
+        with pytest.raises((ray.exceptions.RayError, RuntimeError)):
+            await group.check()
+        noticed = time.monotonic() - t0
+        with pytest.raises((ray.exceptions.RayError, RuntimeError)):  # EngineDeadError is a RuntimeError
+            async for _ in stream:
+                pass
+        return noticed, time.monotonic() - t0
+
+    noticed, ended = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert noticed < 5.0
+    assert ended < 30.0
