@@ -50,8 +50,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def make_engine(model, mode: str, compile: bool) -> LLMEngine:
-    policy = GraphPolicy(mode=mode, compile=compile)
+def make_engine(model, mode: str, compile: bool, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> LLMEngine:
+    policy = GraphPolicy(mode=mode, compile=compile, decode_batch_buckets=buckets)
     config = EngineConfig(max_num_seqs=max(policy.decode_batch_buckets), max_model_len=model.max_model_len,
                           graph_policy=policy)  # fmt: skip
     return LLMEngine(model, config)
@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager generate")
+    ap.add_argument("--modes", nargs="+", default=["eager", "piecewise", "full"])
     ap.add_argument("--compile-configs", nargs="*", default=[], help="configs to also run with compile: true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -152,12 +153,12 @@ def main() -> None:
         cfg = parse_config(BENCH_CONFIGS[name])
         floor_ms = cfg.weight_bytes() / bandwidth * 1e3
         model = random_model(name, PROMPT_LEN + args.steps + args.warmup + 8, "cuda")
-        variants = [("eager", False), ("piecewise", False), ("full", False)]
+        variants = [(m, False) for m in args.modes]
         if name in args.compile_configs:
             variants.append(("full", True))
         for mode, compiled in variants:
             t0 = time.perf_counter()
-            engine = make_engine(model, mode, compiled)
+            engine = make_engine(model, mode, compiled, tuple(sorted(set(args.batch_sizes))))
             runner = engine.runner
             captures.append(dict(config=name, mode=mode, compile=compiled, startup_s=time.perf_counter() - t0,
                                  compile_s=runner.compile_s, buckets=runner.report(),

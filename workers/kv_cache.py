@@ -10,6 +10,22 @@ from __future__ import annotations
 import torch
 
 
+@torch.library.custom_op("graphserve::kv_write", mutates_args=("k_cache", "v_cache"))
+def kv_write(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor,
+) -> None:  # fmt: skip
+    """One op that writes in place: under torch.compile a plain index_put_ on the cache (a graph input)
+    is functionalized into copies of the whole cache; a custom op that declares its mutation is not."""
+    k_cache[slot_ids, :, positions] = k
+    v_cache[slot_ids, :, positions] = v
+
+
+@kv_write.register_fake
+def _(k_cache, v_cache, slot_ids, positions, k, v) -> None:
+    return None
+
+
 class KVCache:
     def __init__(
         self,
@@ -32,8 +48,7 @@ class KVCache:
         self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store k, v of shape (tokens, kv_heads, head_dim) at (slot, position) for each token."""
-        self.k[layer, slot_ids, :, positions] = k
-        self.v[layer, slot_ids, :, positions] = v
+        kv_write(self.k[layer], self.v[layer], slot_ids, positions, k, v)
 
     def read(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given slots: (rows, kv_heads, max_model_len, head_dim) each."""

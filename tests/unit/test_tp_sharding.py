@@ -5,6 +5,7 @@ output and down with an all-reduce, vocab-parallel LM head with an all-gather). 
 hands rank 0's inputs to rank 1, which follows; rank 0's logits must equal the unsharded model's.
 """
 
+import os
 import socket
 
 import pytest
@@ -56,6 +57,11 @@ def _rank(rank: int, port: int, path: str, out) -> None:
         _serve_rank(rank, port, path, out)
     finally:
         torch.distributed.destroy_process_group()
+    # Skip interpreter teardown: gloo's threads can abort the process there after a peer has gone,
+    # which would turn a finished, correct rank into a spurious SIGABRT.
+    out.close()
+    out.join_thread()
+    os._exit(0)
 
 
 def _serve_rank(rank: int, port: int, path: str, out) -> None:
@@ -63,7 +69,7 @@ def _serve_rank(rank: int, port: int, path: str, out) -> None:
     model = load_model(path, 64, tp=tp)
     channel = StepChannel(tp, torch.device("cpu"))
     if rank == 0:
-        out.put(run_greedy(model, channel.send))
+        out.put(run_greedy(model, channel.send).numpy())  # by value: this process may exit first
         return
     cache = model.make_kv_cache(len(PROMPTS))
     while True:  # a minimal follower: the engine's real one is workers.tp.follow
@@ -86,7 +92,7 @@ def sharded_logits(path) -> torch.Tensor:
     procs = [ctx.Process(target=_rank, args=(r, port, str(path), out)) for r in range(2)]
     for p in procs:
         p.start()
-    result = out.get(timeout=120)
+    result = torch.from_numpy(out.get(timeout=120))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
