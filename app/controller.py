@@ -73,9 +73,6 @@ class GraphController:
     def report(self, replica_id: str, status: dict) -> None:
         self.replicas[replica_id] = {**status, "reported_at": time.time()}
 
-    def forget(self, replica_id: str) -> None:
-        self.replicas.pop(replica_id, None)
-
     def replica_statuses(self) -> dict[str, dict]:
         now = time.time()
         return {rid: s for rid, s in self.replicas.items() if now - s["reported_at"] < STALE_AFTER_S}

@@ -13,6 +13,7 @@ attention eager (for backends that cannot be captured).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -120,7 +121,7 @@ class GraphRunner:
         """Run every bucket eagerly (on a side stream on CUDA) so lazy initialisation, autotuning and
         inductor compilation happen before capture."""
         stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream else _null():
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             t0 = time.perf_counter()
             for bucket in sorted(self.table.buckets if self.enabled else (1,), reverse=True):
                 for _ in range(2):
@@ -298,11 +299,3 @@ class GraphRunner:
                 "error": rec.error or (missing[1] if missing else None),
             }
         return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

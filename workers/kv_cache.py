@@ -53,6 +53,3 @@ class KVCache:
     def read(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given slots: (rows, kv_heads, max_model_len, head_dim) each."""
         return self.k[layer].index_select(0, slot_ids), self.v[layer].index_select(0, slot_ids)
-
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
