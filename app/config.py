@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.graph_policy import GraphPolicy
+from policies.graph_policy import GraphPolicy, load_policy
 
 
 class TenantConfig(BaseModel):
@@ -45,6 +45,9 @@ class AppConfig(BaseModel):
     shard_num_cpus: float = Field(1.0, gt=0)
     collective_timeout_s: float = Field(30.0, gt=0)  # every wait between shards is bounded by this
     cuda_graph_policy: GraphPolicy = GraphPolicy()
+    # A YAML file with a `cuda_graph_policy:` section (on Kubernetes, a mounted ConfigMap); when set,
+    # replicas read the policy from it when they start, in place of `cuda_graph_policy`.
+    cuda_graph_policy_file: str | None = None
     tenants: dict[str, TenantConfig] = {}
     autoscaling: AutoscalingConfig = AutoscalingConfig()
     accelerator: Literal["auto", "gpu", "cpu"] = "auto"  # auto: gpu when the Ray cluster has GPUs
@@ -62,6 +65,9 @@ class AppConfig(BaseModel):
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
         return cls.model_validate(args or {})
+
+    def graph_policy(self) -> GraphPolicy:
+        return load_policy(self.cuda_graph_policy_file) if self.cuda_graph_policy_file else self.cuda_graph_policy
 
     def initial_toggles(self) -> dict[str, bool]:
         return {name: t.cuda_graph for name, t in self.tenants.items()}

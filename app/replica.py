@@ -41,7 +41,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         max_waiting=config.max_waiting,
         dtype=config.dtype,
         attention_backend=config.attention_backend,
-        graph_policy=config.cuda_graph_policy,
+        graph_policy=config.graph_policy(),
     )
 
 
