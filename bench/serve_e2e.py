@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--stream-interval-ms", type=float, default=20.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -118,6 +119,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     app = deployment({"model": str(model_dir), "accelerator": "gpu", "max_model_len": args.max_model_len,
                       "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+                      "stream_interval_ms": args.stream_interval_ms,
                       "controller_state_path": str(model_dir.parent / "state.json")})  # fmt: skip
     t0 = time.perf_counter()
     serve.run(app, blocking=False)
@@ -140,6 +142,7 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, max_tokens=args.max_tokens,
+                stream_interval_ms=args.stream_interval_ms,
                 serve_run_to_ready_s=ready_s, captured_buckets=captured,
                 model="1b-shape random bf16, byte tokenizer")  # fmt: skip
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
