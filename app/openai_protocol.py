@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")  # fmt: skip
+            404: "not_found_error", 405: "invalid_request_error",
+            503: "service_unavailable"}.get(status, "server_error")  # fmt: skip
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return JSONResponse(body, status_code=status, headers=headers)
 

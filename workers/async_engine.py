@@ -96,8 +96,8 @@ class AsyncEngine:
         self._wake.set()
         return self._stream(seq, events)
 
-    def cancel(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def cancel(self, request_id: str, reason: str = "abort") -> None:
+        self._commands.put(("abort", (request_id, reason)))
         self._wake.set()
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
@@ -117,7 +117,7 @@ class AsyncEngine:
                 reason = item.finish_reason
                 if hit_stop:
                     reason = "stop"
-                    self.cancel(seq.request_id)
+                    self.cancel(seq.request_id, reason)
                 if reason is not None:
                     text += "" if hit_stop else detok.flush()
                     finished = True
@@ -185,8 +185,8 @@ class AsyncEngine:
                 seq = self.engine.scheduler.find(arg[0])
                 if seq is not None:
                     seq.graph_denial = arg[1]
-            elif self.engine.abort(arg):
-                aborted.append(TokenEvent(arg, [], "abort"))
+            elif self.engine.abort(*arg):
+                aborted.append(TokenEvent(arg[0], [], arg[1]))
 
     def _run(self) -> None:
         try:

@@ -170,12 +170,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request from outside the step loop: `abort` (its client left) or `stop` (a stop
+        string found in its detokenized text)."""
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
-        self.stats.record_finish("abort", None, None)
+        self.scheduler.finish(seq, reason)
+        self.stats.record_finish(reason, None, None)
         return True
 
     def has_work(self) -> bool:

@@ -245,8 +245,8 @@ def _stop_string_case(tiny) -> tuple[list[int], list[int], str, int]:
 
 async def test_stop_string_cuts_text_and_frees_slot(tiny, start, monkeypatch):
     """A stop string taken from the greedy output cuts the streamed text right before it, ends the
-    stream with 'stop', and the request is aborted in the engine (slot freed) long before its
-    max_tokens."""
+    stream with 'stop', and the request ends in the engine as 'stop' too (slot freed) long before
+    its max_tokens."""
     p, ids, stop, i = _stop_string_case(tiny)
     text = tiny.tokenizer.decode(ids, skip_special_tokens=True)
     engine = new_engine(tiny, max_num_seqs=2)
@@ -258,7 +258,7 @@ async def test_stop_string_cuts_text_and_frees_slot(tiny, start, monkeypatch):
     assert r.text == text[:i]
     assert r.ids == ids[: len(r.ids)] and len(r.ids) < 50
     await wait_until(lambda: all_slots_free(engine))
-    assert engine.stats.snapshot()["finished_requests"] == {"abort": 1}
+    assert engine.stats.snapshot()["finished_requests"] == {"stop": 1}
 
 
 # ---------------------------------------------------------------- rejection
