@@ -40,13 +40,17 @@ def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: i
     prompt = tokenizer(PROMPT)["input_ids"]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for _ in range(2):  # the first round warms the allocator and prefill kernels
+        before = engine.stats.snapshot()
         seqs = [engine.add_request(prompt, params) for _ in range(streams)]
         t0 = time.perf_counter()
         while engine.has_work():
             engine.step()
         wall = time.perf_counter() - t0
     tpots = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs]
-    result = dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(len(s.output_ids) for s in seqs) / wall)
+    after = engine.stats.snapshot()
+    steps = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "generated_tokens")}
+    result = dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(len(s.output_ids) for s in seqs) / wall,
+                  steps=steps)  # fmt: skip
     del engine
     torch.cuda.empty_cache()
     return result
@@ -72,13 +76,28 @@ async def serve_streams(base_url: str, model: str, streams: int, max_tokens: int
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-    await asyncio.gather(*[one_stream(client, model, 8) for _ in range(streams)])  # warm the path
     t0 = time.perf_counter()
     results = await asyncio.gather(*[one_stream(client, model, max_tokens) for _ in range(streams)])
     wall = time.perf_counter() - t0
     tpots = [(last - first) / (n - 1) for first, last, n in results if n > 1 and last > first]
     return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(n for _, _, n in results) / wall,
                 completion_tokens=[n for _, _, n in results])  # fmt: skip
+
+
+def replica_statuses() -> dict:
+    admin = urllib.request.Request(
+        "http://127.0.0.1:8000/admin/status", headers={"Authorization": "Bearer bench-admin"}
+    )
+    return json.loads(urllib.request.urlopen(admin).read())["replicas"]
+
+
+def engine_counters() -> dict[str, float]:
+    """Cumulative prefill steps, decode steps and generated tokens over all replicas."""
+    totals = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0}
+    for status in replica_statuses().values():
+        for key in totals:
+            totals[key] += status["stats"][key]
+    return totals
 
 
 def wait_ready(base_url: str, timeout_s: float) -> float:
@@ -132,8 +151,16 @@ def main() -> None:
     print("replica states", {rid: s["state"] for rid, s in replicas.items()}, "captured", captured, flush=True)
     rows = []
     for c in args.streams:
+        asyncio.run(serve_streams("http://127.0.0.1:8000", model_dir.name, c, 8))  # warm the path
+        time.sleep(2.5)
+        before = engine_counters()
         served = asyncio.run(serve_streams("http://127.0.0.1:8000", model_dir.name, c, args.max_tokens))
-        rows.append(dict(streams=c, engine_tpot_ms=alone[c]["tpot_ms"], e2e_tpot_ms=served["tpot_ms"],
+        time.sleep(2.5)  # replicas report every second
+        # The replica's own steps during this level: did the engine itself slow down (more prefill
+        # steps, a slower step) or did the time go in transport?
+        during = {k: v - before[k] for k, v in engine_counters().items()}
+        rows.append(dict(streams=c, replica_steps=during, engine_alone_steps=alone[c]["steps"],
+                         engine_tpot_ms=alone[c]["tpot_ms"], e2e_tpot_ms=served["tpot_ms"],
                          tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
                          engine_tokens_per_s=alone[c]["tokens_per_s"], e2e_tokens_per_s=served["tokens_per_s"],
                          throughput_ratio=served["tokens_per_s"] / alone[c]["tokens_per_s"],
