@@ -27,6 +27,15 @@ API_KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
 API_KEYS_ENV = ",".join(f"{tenant}:{key}" for tenant, key in API_KEYS.items())
 READY_TIMEOUT_S = 60.0
 
+# Every admin route, with a body where it takes one.
+ADMIN_CALLS = [
+    ("GET", "/admin/tenants/tenant-a/cuda-graph", None),
+    ("PUT", "/admin/tenants/tenant-a/cuda-graph", {"cuda_graph": False}),
+    ("GET", "/admin/status", None),
+    ("GET", "/admin/audit", None),
+]
+ADMIN_CALL_IDS = ["get-toggle", "put-toggle", "status", "audit"]
+
 # Small enough for 2 cores and 24 GiB: one replica, fractional CPUs, short contexts.
 BASE_ARGS: dict[str, Any] = {
     "replica_num_cpus": 0.5,

@@ -20,6 +20,8 @@ import pytest
 import ray
 
 from tests.integration.helpers import (
+    ADMIN_CALL_IDS,
+    ADMIN_CALLS,
     API_KEYS,
     httpx,
     json_events,
@@ -75,15 +77,8 @@ def controller(server):
 
 # -- the admin API -------------------------------------------------------------------------------------
 
-ADMIN_CALLS = [
-    ("GET", "/admin/tenants/tenant-a/cuda-graph", None),
-    ("PUT", "/admin/tenants/tenant-a/cuda-graph", {"cuda_graph": False}),
-    ("GET", "/admin/status", None),
-    ("GET", "/admin/audit", None),
-]
 
-
-@pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS, ids=["get-toggle", "put-toggle", "status", "audit"])
+@pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS, ids=ADMIN_CALL_IDS)
 def test_admin_requires_the_token(server, method, path, body):
     """No bearer token -> 401; a wrong one (or a tenant API key) -> 403; nothing changes."""
     calls = [
