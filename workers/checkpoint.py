@@ -30,7 +30,10 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e!r})") from e
         missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
         if missing:
             raise CheckpointError(f"{model_dir}: index names weight files that are missing: {', '.join(missing)}")

@@ -97,9 +97,7 @@ class GraphRunner:
         """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
         n = len(tokens)
         host = self._host[:, :bucket]
-        host[0, :n] = torch.tensor(tokens)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor(slots)
+        host[:, :n] = torch.tensor((tokens, positions, slots))
         host[:2, n:] = 0
         host[2, n:] = self.cache.scratch_slot
         self.inputs[:, :bucket].copy_(host, non_blocking=True)

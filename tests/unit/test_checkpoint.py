@@ -167,3 +167,14 @@ def test_missing_tokenizer_names_files_looked_for(tmp_path):
     assert "no tokenizer files" in msg
     for name in TOKENIZER_FILES:
         assert name in msg
+
+
+def test_malformed_index_is_refused_by_name(tmp_path):
+    """A model.safetensors.index.json that is not JSON, or has no weight_map, is a CheckpointError
+    naming the index, not a raw parsing error."""
+    write_tiny_checkpoint(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    for text in ("{not json", '{"metadata": {}}'):
+        index.write_text(text)
+        with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+            load_model(tmp_path, 64)

@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from policies.graph_policy import GraphPolicy
 from tests.unit.conftest import make_hf_checkpoint
 from workers.checkpoint import load_model
+from workers.graph_runner import GraphRunner
 from workers.parallel import TPGroup
-from workers.tp import DECODE, PREFILL, STOP, StepChannel, init_tp_group
+from workers.tp import DECODE, PREFILL, STOP, StepChannel, follow, init_tp_group
 
 STEPS = 32
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 100, 50, 25, 12, 6, 3, 1, 0, 1, 2]]
@@ -72,17 +74,7 @@ def _serve_rank(rank: int, port: int, path: str, out) -> None:
         out.put(run_greedy(model, channel.send).numpy())  # by value: this process may exit first
         return
     cache = model.make_kv_cache(len(PROMPTS))
-    while True:  # a minimal follower: the engine's real one is workers.tp.follow
-        op, rows, values = channel.recv()
-        if op == STOP:
-            return
-        if op == PREFILL:
-            n = (len(values) - rows) // 3
-            t = torch.tensor(values[: 3 * n]).view(3, n)
-            model.prefill(t[0], t[1], t[2], values[3 * n :], cache)
-        else:
-            t = torch.tensor(values).view(3, rows)
-            model.decode(t[0], t[1], t[2], cache)
+    follow(channel, model, GraphRunner(model, cache, GraphPolicy()), cache)  # the engine's follower loop
 
 
 def sharded_logits(path) -> torch.Tensor:
