@@ -4,8 +4,8 @@
 STARTING and routes nothing to it until capture is complete. A background task polls the controller
 for tenant toggles (applied to new and running requests within `toggle_poll_s`, without leaving
 traffic) and pushes this replica's status. A stream reads its tokens at most every
-`stream_interval_ms` and yields what gathered as one item (the first at once): one item per token
-through the ingress hop would not keep up at high concurrency.
+`stream_interval_ms` and yields what gathered as one item (the first and the last at once): one
+item per token through the ingress hop would not keep up at high concurrency.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ class LLMReplica:
             )
             params = SamplingParams(**sampling)
             self.tenant_of[request_id] = tenant
-            stream = aiter(self.engine.submit(prompt_ids, params, request_id, self._denial(tenant)))
+            interval_s = self.config.stream_interval_ms / 1e3
+            stream = aiter(self.engine.submit(prompt_ids, params, request_id, self._denial(tenant), interval_s))
             first = await anext(stream)
         except InvalidRequest as e:
             self.tenant_of.pop(request_id, None)
@@ -146,7 +147,6 @@ class LLMReplica:
             self.metrics.count(tenant, "unavailable")
             yield {"error": str(e), "status": 503}
             return
-        interval = self.config.stream_interval_ms / 1e3
         first_at, outcome = None, "cancelled"
         try:
             async for event in _chain(first, stream):
@@ -160,8 +160,6 @@ class LLMReplica:
                     outcome = "ok"
                     if first_at is not None and event.completion_tokens > 1:
                         self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
-                elif interval:
-                    await asyncio.sleep(interval)  # tokens gather meanwhile; the next read takes them all
         finally:
             self.tenant_of.pop(request_id, None)
             self.metrics.count(tenant, outcome)

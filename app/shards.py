@@ -1,4 +1,4 @@
-"""The engine behind a replica: in-process for tensor_parallel_size 1, or one Ray actor per GPU.
+"""The engine behind a replica: a child process for tensor_parallel_size 1, or one Ray actor per GPU.
 
 Shard actors are created inside the replica's own placement group (bundle i + 1 for rank i; bundle 0
 holds the replica), each told its rank explicitly, and meet at a TCP rendezvous the replica picks.
@@ -17,8 +17,11 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from policies.dispatch import FallbackReason
-from workers.async_engine import AsyncEngine, StreamEvent
-from workers.engine import EngineConfig, LLMEngine
+from workers.async_engine import StreamEvent
+from workers.checkpoint import load_tokenizer
+from workers.default_model import default_model_dir
+from workers.engine import EngineConfig
+from workers.engine_process import EngineProcess
 from workers.sampling import SamplingParams
 from workers.shard import ShardWorker
 
@@ -26,23 +29,24 @@ PING_TIMEOUT_S = 5.0
 
 
 class LocalEngine:
-    """tensor_parallel_size 1: the engine lives in the replica process, no actors, no overhead."""
+    """tensor_parallel_size 1: no actors; the step loop runs in a child process of the replica
+    (`workers/engine_process.py` says why not in a thread)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        engine, self.tokenizer = LLMEngine.from_config(config)
-        self.runner = AsyncEngine(engine, self.tokenizer).start()
+        self.tokenizer = load_tokenizer(config.model or default_model_dir())
+        self.runner = EngineProcess(config, self.tokenizer)
 
     async def start(self) -> None:
         return None
 
-    def submit(self, prompt_ids, params, request_id, graph_denial) -> AsyncIterator[StreamEvent]:
-        return self.runner.submit(prompt_ids, params, request_id, graph_denial)
+    def submit(self, prompt_ids, params, request_id, graph_denial, interval_s) -> AsyncIterator[StreamEvent]:
+        return self.runner.submit(prompt_ids, params, request_id, graph_denial, interval_s)
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.runner.set_graph_denial(request_id, reason)
 
     async def status(self) -> dict:
-        return self.runner.engine.status()
+        return await self.runner.status()
 
     async def check(self) -> None:
         if not self.runner.alive:
@@ -59,9 +63,6 @@ class ShardGroup:
     """tensor_parallel_size > 1: ShardWorker actors, rank 0 the engine."""
 
     def __init__(self, config: EngineConfig, world_size: int, num_gpus: float, num_cpus: float, timeout_s: float):
-        from workers.checkpoint import load_tokenizer
-        from workers.default_model import default_model_dir
-
         self.tokenizer = load_tokenizer(config.model or default_model_dir())
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         group = get_current_placement_group()
@@ -83,8 +84,12 @@ class ShardGroup:
         """Wait until every rank has loaded and captured (the replica is not READY before)."""
         await asyncio.gather(*(s.alive.remote() for s in self.shards))
 
-    async def submit(self, prompt_ids, params: SamplingParams, request_id, graph_denial) -> AsyncIterator[StreamEvent]:
-        refs = self.rank0.generate.options(num_returns="streaming").remote(prompt_ids, params, request_id, graph_denial)
+    async def submit(
+        self, prompt_ids, params: SamplingParams, request_id, graph_denial, interval_s
+    ) -> AsyncIterator[StreamEvent]:
+        refs = self.rank0.generate.options(num_returns="streaming").remote(
+            prompt_ids, params, request_id, graph_denial, interval_s
+        )
         try:
             async for ref in refs:
                 try:

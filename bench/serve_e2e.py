@@ -50,7 +50,7 @@ def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: i
     after = engine.stats.snapshot()
     steps = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "generated_tokens")}
     result = dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(len(s.output_ids) for s in seqs) / wall,
-                  steps=steps)  # fmt: skip
+                  steps=steps, wall_s=wall)  # fmt: skip
     del engine
     torch.cuda.empty_cache()
     return result
@@ -81,7 +81,7 @@ async def serve_streams(base_url: str, model: str, streams: int, max_tokens: int
     wall = time.perf_counter() - t0
     tpots = [(last - first) / (n - 1) for first, last, n in results if n > 1 and last > first]
     return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(n for _, _, n in results) / wall,
-                completion_tokens=[n for _, _, n in results])  # fmt: skip
+                completion_tokens=[n for _, _, n in results], wall_s=wall)  # fmt: skip
 
 
 def replica_statuses() -> dict:
@@ -160,6 +160,7 @@ def main() -> None:
         # steps, a slower step) or did the time go in transport?
         during = {k: v - before[k] for k, v in engine_counters().items()}
         rows.append(dict(streams=c, replica_steps=during, engine_alone_steps=alone[c]["steps"],
+                         e2e_wall_s=served["wall_s"], engine_alone_wall_s=alone[c]["wall_s"],
                          engine_tpot_ms=alone[c]["tpot_ms"], e2e_tpot_ms=served["tpot_ms"],
                          tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
                          engine_tokens_per_s=alone[c]["tokens_per_s"], e2e_tokens_per_s=served["tokens_per_s"],

@@ -1,9 +1,11 @@
 """The asyncio face of the engine: `submit()` returns an async iterator of text/token events.
 
-The engine steps in a thread of its own, so GPU work and host syncs never block the event loop. Each
-step's events for all requests are handed to the loop in one call. Detokenization and stop strings
-happen on the consumer side, off the step loop; a stop string found there cancels the request in
-the engine. Closing a stream early (a client that went away) cancels its request too.
+The step loop runs apart from the event loop: in a thread of this process (`AsyncEngine`: the CLI,
+tests, tensor-parallel rank 0) or in a child process with an interpreter lock of its own
+(`EngineProcess`: a serving replica). Either way this side sends commands and gets each step's
+events for all requests in one call. Detokenization and stop strings happen on this side, off the
+step loop; a stop string found here cancels the request in the engine. Closing a stream early (a
+client that went away) cancels its request too.
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import LLMEngine, TokenEvent
 from workers.sampling import InvalidRequest, SamplingParams
-from workers.scheduler import QueueFull, Sequence
+from workers.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
 
 log = logging.getLogger(__name__)
+
+# Commands from the front to the step loop: (kind, argument).
+ADD, ABORT, DENY, STOP = "add", "abort", "deny", "stop"
+Command = tuple[str, object]
 
 
 class EngineDeadError(RuntimeError):
@@ -31,7 +37,7 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class StreamEvent:
-    """What a consumer sees: the new token ids and text of one step, and the counts so far."""
+    """What a consumer sees: the new token ids and text of one read, and the counts so far."""
 
     request_id: str
     token_ids: list[int]
@@ -41,34 +47,72 @@ class StreamEvent:
     finish_reason: str | None = None
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, tokenizer, heartbeat_s: float | None = None) -> None:
-        """heartbeat_s: with tensor parallelism, how often an idle loop tells the followers it lives."""
-        self.engine = engine
-        self.heartbeat_s = heartbeat_s
+def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
+    kind, arg = command
+    if kind == ADD:
+        engine.scheduler.add(arg)
+    elif kind == DENY:
+        seq = engine.scheduler.find(arg[0])
+        if seq is not None:
+            seq.graph_denial = arg[1]
+    elif kind == ABORT and engine.abort(*arg):
+        return [TokenEvent(arg[0], [], arg[1])]
+    return []
+
+
+def run_step_loop(
+    engine: LLMEngine,
+    receive: Callable[[float | None], Command | None],
+    emit: Callable[[list[TokenEvent]], None],
+    heartbeat_s: float | None = None,
+) -> None:
+    """Step while there is work, applying every command that arrived in between; return on STOP.
+
+    receive(timeout) gives the next command, or None when none came within timeout seconds (None:
+    wait for one). An idle loop with heartbeat_s tells tensor-parallel followers that it lives."""
+    while True:
+        idle = not engine.has_work()
+        command = receive(heartbeat_s if idle else 0.0)
+        if command is None and idle:
+            engine.heartbeat()
+            continue
+        events: list[TokenEvent] = []
+        while command is not None:
+            if command[0] == STOP:
+                return
+            events += apply_command(engine, command)
+            command = receive(0.0)
+        if engine.has_work():
+            events += engine.step()
+        if events:
+            emit(events)
+
+
+@dataclass
+class _Stream:
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # its last event (or a failure) is queued
+
+
+class StreamFront:
+    """The request side of an engine, on the event loop. Subclasses run the step loop and provide
+    `alive`, `error` and `_send(command)`, and hand events back through `_emit`/`_emit_failure`."""
+
+    def __init__(self, tokenizer, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self.limits = limits
+        self.error: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}
         self._inflight = 0
         self._lock = threading.Lock()
-        self._stopping = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="graphserve-engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        raise NotImplementedError
 
-    def start(self) -> AsyncEngine:
-        self._thread.start()
-        return self
-
-    def shutdown(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=10)
+    def _send(self, command: Command) -> None:
+        raise NotImplementedError
 
     def submit(
         self,
@@ -76,42 +120,44 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         graph_denial: FallbackReason | None = None,
+        interval_s: float = 0.0,
     ) -> AsyncIterator[StreamEvent]:
-        """Validate and enqueue now (raising InvalidRequest or QueueFull at once); stream later."""
+        """Validate and enqueue now (raising InvalidRequest or QueueFull at once); stream later.
+
+        With interval_s, the stream is read at most that often and each event carries every token
+        that gathered meanwhile (the first and the last at once): fewer, larger items for a
+        transport whose cost is per item."""
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
-        self.engine.scheduler.check_prompt(prompt_ids)
+        self.limits.check_prompt(prompt_ids)
         if request_id is not None and request_id in self._streams:
             # a second sequence under one id would orphan the first's stream and KV slot
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         with self._lock:
-            if self._inflight >= self.engine.scheduler.capacity:
+            if self._inflight >= self.limits.capacity:
                 raise QueueFull(f"{self._inflight} requests in flight; the queue is full")
             self._inflight += 1
         self._loop = asyncio.get_running_loop()
-        seq = self.engine.new_sequence(prompt_ids, params, request_id, graph_denial)
-        events: asyncio.Queue = asyncio.Queue()
-        self._streams[seq.request_id] = events
-        self._commands.put(("add", seq))
-        self._wake.set()
-        return self._stream(seq, events)
+        seq = new_sequence(prompt_ids, params, request_id, graph_denial)
+        stream = _Stream()
+        self._streams[seq.request_id] = stream
+        self._send((ADD, seq))
+        return self._stream(seq, stream, interval_s)
 
     def cancel(self, request_id: str, reason: str = "abort") -> None:
-        self._commands.put(("abort", (request_id, reason)))
-        self._wake.set()
+        self._send((ABORT, (request_id, reason)))
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         """Change a running request's graph permission from its next step on (it keeps running)."""
-        self._commands.put(("deny", (request_id, reason)))
-        self._wake.set()
+        self._send((DENY, (request_id, reason)))
 
-    async def _stream(self, seq: Sequence, events: asyncio.Queue) -> AsyncIterator[StreamEvent]:
+    async def _stream(self, seq: Sequence, stream: _Stream, interval_s: float) -> AsyncIterator[StreamEvent]:
         detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
         produced = 0
         finished = False
         try:
             while not finished:
-                item = self._merge(await events.get(), events)
+                item = self._merge(await stream.events.get(), stream.events)
                 token_ids, text, hit_stop = self._detokenize(detok, item.token_ids)
                 produced += len(token_ids)
                 reason = item.finish_reason
@@ -122,6 +168,9 @@ class AsyncEngine:
                     text += "" if hit_stop else detok.flush()
                     finished = True
                 yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason)
+                if interval_s and not finished:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stream.ended.wait(), interval_s)
         finally:
             if not finished:
                 self.cancel(seq.request_id)
@@ -154,12 +203,23 @@ class AsyncEngine:
                 raise following
             item = TokenEvent(item.request_id, item.token_ids + following.token_ids, following.finish_reason)
 
+    def _emit(self, events: list[TokenEvent]) -> None:
+        """From the step loop's side: hand one step's events to the event loop."""
+        self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _emit_failure(self, error: BaseException) -> None:
+        """From the step loop's side: fail every open stream."""
+        with contextlib.suppress(RuntimeError):  # the event loop may already be closed
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_all, error)
+
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is not None:
-                stream.put_nowait(event)
+                stream.events.put_nowait(event)
                 if event.finish_reason is not None:
+                    stream.ended.set()
                     self._close(event.request_id)
 
     def _close(self, request_id: str) -> None:
@@ -169,44 +229,53 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            stream.put_nowait(error)
+            stream.events.put_nowait(error)
+            stream.ended.set()
             self._close(request_id)
 
-    def _apply_commands(self) -> list[TokenEvent]:
-        aborted = []
-        while True:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return aborted
-            if kind == "add":
-                self.engine.scheduler.add(arg)
-            elif kind == "deny":
-                seq = self.engine.scheduler.find(arg[0])
-                if seq is not None:
-                    seq.graph_denial = arg[1]
-            elif self.engine.abort(*arg):
-                aborted.append(TokenEvent(arg[0], [], arg[1]))
+
+class AsyncEngine(StreamFront):
+    """The step loop in a thread of this process."""
+
+    def __init__(self, engine: LLMEngine, tokenizer, heartbeat_s: float | None = None) -> None:
+        """heartbeat_s: with tensor parallelism, how often an idle loop tells the followers it lives."""
+        super().__init__(tokenizer, engine.scheduler.limits)
+        self.engine = engine
+        self.heartbeat_s = heartbeat_s
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="graphserve-engine", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._send((STOP, None))
+        self._thread.join(timeout=10)
+
+    async def status(self) -> dict:
+        return self.engine.status()
+
+    def _send(self, command: Command) -> None:
+        self._commands.put(command)
+
+    def _receive(self, timeout: float | None) -> Command | None:
+        try:
+            return self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
-                events = self._apply_commands()
-                if self.engine.has_work():
-                    events += self.engine.step()
-                elif not self._wake.wait(timeout=self.heartbeat_s):
-                    self.engine.heartbeat()
-                else:
-                    self._wake.clear()
-                if events:
-                    self._loop.call_soon_threadsafe(self._deliver, events)
+            run_step_loop(self.engine, self._receive, self._emit, self.heartbeat_s)
             self.engine.stop_followers()
             # shut down: streams still open would otherwise wait forever for their next event
-            with contextlib.suppress(RuntimeError):  # the event loop may already be closed
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the engine was shut down"))
+            self._emit_failure(EngineDeadError("the engine was shut down"))
         except BaseException as e:  # the loop must report any failure, then stop
             log.exception("engine loop failed")
             self.error = e
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop failed: {e!r}"))
+            self._emit_failure(EngineDeadError(f"engine loop failed: {e!r}"))

@@ -3,9 +3,7 @@ running batch by one token. The asyncio front (`async_engine.py`) drives it from
 
 from __future__ import annotations
 
-import random
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 from workers.parallel import TPGroup
 from workers.sampling import SamplingParams, sample
-from workers.scheduler import Scheduler, Sequence
+from workers.scheduler import Scheduler, Sequence, new_sequence
 from workers.stats import EngineStats
 from workers.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
 
@@ -147,18 +145,6 @@ class LLMEngine:
     def stop_followers(self) -> None:
         self._send(STOP, 0)
 
-    def new_sequence(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        graph_denial: FallbackReason | None = None,
-    ) -> Sequence:
-        """A request's state; unseeded requests get a random seed of their own here. A request with
-        a graph_denial (its tenant's reason) is never decoded by a graph replay."""
-        seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
-        return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, graph_denial=graph_denial)
-
     def add_request(
         self,
         prompt_ids: list[int],
@@ -166,7 +152,7 @@ class LLMEngine:
         request_id: str | None = None,
         graph_denial: FallbackReason | None = None,
     ) -> Sequence:
-        seq = self.new_sequence(prompt_ids, params, request_id, graph_denial)
+        seq = new_sequence(prompt_ids, params, request_id, graph_denial)
         self.scheduler.add(seq)
         return seq
 

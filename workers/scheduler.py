@@ -7,7 +7,9 @@ admission. Each step's prompt tokens are bounded so a burst of long prompts cann
 
 from __future__ import annotations
 
+import random
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,23 +40,25 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
-class Scheduler:
-    def __init__(
-        self,
-        max_num_seqs: int,
-        max_model_len: int,
-        max_waiting: int,
-        max_prefill_tokens: int,
-        vocab_size: int | None = None,
-    ) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.vocab_size = vocab_size  # when set, prompt ids outside [0, vocab_size) are rejected
-        self.max_model_len = max_model_len
-        self.max_waiting = max_waiting
-        self.max_prefill_tokens = max_prefill_tokens
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest first
-        self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+def new_sequence(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str | None = None,
+    graph_denial: FallbackReason | None = None,
+) -> Sequence:
+    """A request's state; unseeded requests get a random seed of their own here. A request with a
+    graph_denial (its tenant's reason) is never decoded by a graph replay."""
+    seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
+    return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, graph_denial=graph_denial)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit, checkable wherever requests arrive (also outside the engine's process)."""
+
+    max_model_len: int
+    vocab_size: int | None  # when set, prompt ids outside [0, vocab_size) are rejected
+    capacity: int  # requests held at most: every slot busy and max_waiting more in line
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -67,11 +71,30 @@ class Scheduler:
         if self.vocab_size is not None and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
 
+
+class Scheduler:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_waiting: int,
+        max_prefill_tokens: int,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.limits = RequestLimits(max_model_len, vocab_size, max_num_seqs + max_waiting)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest first
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+
     def add(self, seq: Sequence) -> None:
-        self.check_prompt(seq.prompt_ids)
+        self.limits.check_prompt(seq.prompt_ids)
         if self.find(seq.request_id) is not None:
             raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
-        if self.num_unfinished >= self.capacity:
+        if self.num_unfinished >= self.limits.capacity:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_waiting={self.max_waiting})")
         self.waiting.append(seq)
 
@@ -103,11 +126,6 @@ class Scheduler:
         if request_id in self.running:
             return self.running[request_id]
         return next((s for s in self.waiting if s.request_id == request_id), None)
-
-    @property
-    def capacity(self) -> int:
-        """Requests the engine holds at most: every slot busy and max_waiting more in line."""
-        return self.max_num_seqs + self.max_waiting
 
     @property
     def num_unfinished(self) -> int:

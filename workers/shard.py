@@ -57,9 +57,14 @@ class ShardWorker:
     # -- rank 0 only -------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, graph_denial: FallbackReason | None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        graph_denial: FallbackReason | None,
+        interval_s: float,
     ) -> AsyncIterator[StreamEvent]:
-        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial):
+        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, interval_s):
             yield event
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:

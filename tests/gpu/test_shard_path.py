@@ -33,7 +33,7 @@ def test_shard_actor_tp1_captures_and_matches_eager(tmp_path, monkeypatch):
         async def run_all():
             async def one(i, p):
                 out = []
-                async for event in group.submit(p, params, f"r{i}", None):
+                async for event in group.submit(p, params, f"r{i}", None, 0.0):
                     out += event.token_ids
                 return out
 

@@ -38,7 +38,7 @@ async def greedy_sharded(group: ShardGroup) -> list[list[int]]:
     async def one(i, prompt):
         tokens = []
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-        async for event in group.submit(prompt, params, f"req-{i}", None):
+        async for event in group.submit(prompt, params, f"req-{i}", None, 0.0):
             tokens += event.token_ids
         return tokens
 
@@ -75,7 +75,7 @@ def test_dead_shard_is_noticed_and_nothing_hangs(ray_cluster, monkeypatch):
         await group.start()
         await group.check()
         params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-        stream = group.submit(PROMPTS[0], params, "long", None)
+        stream = group.submit(PROMPTS[0], params, "long", None, 0.0)
         await anext(stream)
         ray.kill(group.shards[1])
         t0 = time.monotonic()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workers.sampling import InvalidRequest, SamplingParams
-from workers.scheduler import QueueFull, Scheduler, Sequence
+from workers.scheduler import QueueFull, RequestLimits, Scheduler, Sequence
 
 
 def make_scheduler(max_num_seqs=3, max_model_len=64, max_waiting=8, max_prefill_tokens=1000) -> Scheduler:
@@ -130,13 +130,13 @@ def test_prompt_ids_outside_vocab_rejected():
     """With a vocab size, negative, too large or non-integer prompt ids are an InvalidRequest (one
     bad id inside the batched step would fail every request); without one, ids are not checked."""
     s = make_scheduler()
-    s.vocab_size = 10
+    s.limits = RequestLimits(s.max_model_len, 10, s.limits.capacity)
     for bad in ([1, 10], [-1, 2], [1, 2.0], [1, "3"]):
         with pytest.raises(InvalidRequest, match=r"\[0, 10\)"):
             s.add(Sequence("x", bad, SamplingParams(), seed=0))
     assert s.num_unfinished == 0
     s.add(Sequence("ok", [0, 9], SamplingParams(), seed=0))
-    Scheduler(2, 64, 8, 100).check_prompt([10**6])  # no vocab size given: no check
+    Scheduler(2, 64, 8, 100).limits.check_prompt([10**6])  # no vocab size given: no check
 
 
 def test_duplicate_request_id_rejected():
@@ -165,7 +165,7 @@ def test_queue_full_at_capacity():
     """At most max_num_seqs + max_waiting requests are held; the next one raises QueueFull and is
     not queued, and room frees up again when a request finishes."""
     s = make_scheduler(max_num_seqs=2, max_waiting=3)
-    assert s.capacity == 5
+    assert s.limits.capacity == 5
     seqs = [seq(f"r{i}") for i in range(5)]
     for q in seqs[:2]:
         s.add(q)

@@ -1,0 +1,179 @@
+"""The step loop in a child process (how a replica runs its engine), on CPU with the tiny model:
+the same tokens as the in-process engine, coalesced reads that still end at once, status from the
+child, and every way the child can stop (killed, shut down, bad checkpoint, parent gone)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.unit.engine_fixtures import Tiny, load_tiny, run_alone
+from workers.async_engine import EngineDeadError
+from workers.config import CheckpointError
+from workers.engine import EngineConfig
+from workers.engine_process import EngineProcess
+from workers.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+BOS = 256
+# Long enough to be still running whenever a test acts on it (thousands of tiny-model steps).
+LONG = SamplingParams(max_tokens=4000, ignore_eos=True)
+LONG_LEN = 4096
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+def config(tiny: Tiny, **overrides) -> EngineConfig:
+    return EngineConfig(
+        **{"model": str(tiny.model_dir), "max_model_len": tiny.max_model_len, "device": "cpu"} | overrides
+    )
+
+
+@pytest.fixture(scope="module")
+def shared(tiny):
+    """One child for the tests that leave it healthy (starting one costs a few seconds on CPU)."""
+    engine = EngineProcess(config(tiny, max_num_seqs=4), tiny.tokenizer)
+    yield engine
+    engine.shutdown()
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def drain(stream) -> tuple[list[int], str, str | None, int]:
+    ids, text, reason, events = [], "", None, 0
+    async for event in stream:
+        ids += event.token_ids
+        text += event.text
+        reason = event.finish_reason
+        events += 1
+    return ids, text, reason, events
+
+
+def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [BOS] + [rng.randrange(256) for _ in range(rng.randint(1, 20))]
+        sampled = dict(temperature=0.8, top_p=0.9, seed=rng.randrange(2**32)) if i % 2 else dict(temperature=0.0)
+        out.append((prompt, SamplingParams(max_tokens=rng.randint(1, 30), **sampled)))
+    return out
+
+
+async def test_streams_match_the_in_process_engine(tiny, shared):
+    """7 concurrent greedy and seeded-sampled requests through 4 slots in the child give exactly
+    the tokens, text and finish reason each gives alone in this process."""
+    batch = requests(0, 7)
+    results = await asyncio.wait_for(asyncio.gather(*(drain(shared.submit(p, s)) for p, s in batch)), 60)
+    for (prompt, params), (ids, text, reason, _) in zip(batch, results):
+        assert (ids, reason) == run_alone(tiny, prompt, params)
+        assert text == tiny.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_status_comes_from_the_child(shared):
+    """status() is the child's engine status; its counters move with the tokens streamed."""
+    before = (await shared.status())["stats"]
+    ids, *_ = await drain(shared.submit([BOS, 1, 2], SamplingParams(max_tokens=9, ignore_eos=True)))
+    after = await shared.status()
+    assert after["state"] == "READY" and after["max_model_len"] == 64
+    assert after["stats"]["generated_tokens"] - before["generated_tokens"] == len(ids) == 9
+
+
+async def test_coalesced_reads_gather_tokens_and_end_at_once(shared, monkeypatch):
+    """With a read interval, a stream yields far fewer events than tokens, and the last one comes
+    as soon as the request ends, not after the rest of the interval."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids, _, reason, events = await drain(shared.submit([BOS, 3], params, interval_s=0.05))
+    assert len(ids) == 40 and reason == "length" and events < 20
+    t0 = time.monotonic()
+    ids, _, reason, events = await drain(shared.submit([BOS, 4], SamplingParams(max_tokens=3), interval_s=30.0))
+    assert time.monotonic() - t0 < 10 and events == 2  # the first token at once, the rest at the end
+
+
+async def test_closing_a_stream_frees_its_slot_in_the_child(tiny):
+    """One slot: a long request whose consumer leaves after its first event is aborted in the
+    child, so the next request runs instead of waiting for 60 tokens."""
+    engine = EngineProcess(config(tiny, max_num_seqs=1, max_model_len=LONG_LEN), tiny.tokenizer)
+    try:
+        stream = engine.submit([BOS, 5], LONG)
+        await anext(stream)
+        await stream.aclose()
+        ids, _, reason, _ = await asyncio.wait_for(drain(engine.submit([BOS, 6], SamplingParams(max_tokens=2))), 30)
+        assert reason in ("length", "stop")
+        finished = (await engine.status())["stats"]["finished_requests"]
+        assert finished.get("abort") == 1
+    finally:
+        engine.shutdown()
+
+
+async def test_killed_child_fails_streams_submit_and_status(tiny):
+    """The child killed mid-stream: the open stream raises EngineDeadError naming the exit, the
+    front is no longer alive, and new requests and status fail fast."""
+    engine = EngineProcess(config(tiny, max_num_seqs=2, max_model_len=LONG_LEN), tiny.tokenizer)
+    stream = engine.submit([BOS, 7], LONG, interval_s=0.01)
+    await anext(stream)
+    os.kill(engine.process.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="exit code -9"):
+        await asyncio.wait_for(drain(stream), 30)
+    assert not engine.alive
+    with pytest.raises(EngineDeadError):
+        engine.submit([BOS, 1], SamplingParams())
+    with pytest.raises(EngineDeadError):
+        await engine.status()
+
+
+async def test_shutdown_stops_the_child_and_fails_open_streams(tiny):
+    engine = EngineProcess(config(tiny, max_num_seqs=2, max_model_len=LONG_LEN), tiny.tokenizer)
+    stream = engine.submit([BOS, 8], LONG, interval_s=0.01)
+    await anext(stream)
+    engine.shutdown()
+    assert engine.process.returncode == 0
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(drain(stream), 30)
+    assert not engine.alive
+
+
+def test_bad_checkpoint_raises_the_childs_error(tmp_path, tiny):
+    """A checkpoint the child cannot load raises the child's own error in the parent."""
+    with pytest.raises(CheckpointError, match=str(tmp_path)):
+        EngineProcess(EngineConfig(model=str(tmp_path), device="cpu"), tiny.tokenizer)
+
+
+def test_child_exits_when_its_parent_dies(tiny, tmp_path):
+    """A parent killed without any cleanup (SIGKILL) leaves no engine behind holding the device."""
+    script = textwrap.dedent(f"""
+        from workers.engine import EngineConfig
+        from workers.engine_process import EngineProcess
+        engine = EngineProcess(EngineConfig(model={str(tiny.model_dir)!r}, max_model_len=64, device="cpu"), None)
+        print(engine.process.pid, flush=True)
+        import time; time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        child = int(parent.stdout.readline())
+        assert not exited(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while not exited(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert exited(child)
+    finally:
+        parent.kill()
