@@ -158,14 +158,20 @@ class Ingress:
             items.cancel()
 
     async def _stream(self, shape: ResponseShape, first: dict, items, include_usage: bool) -> AsyncIterator[bytes]:
-        last = first
+        """SSE events, one write per item; the final chunk, the usage and [DONE] leave in one write
+        (every write is an item through the proxy, and at high concurrency streams end together)."""
+        last, tail = first, b""
         async for item in self._items(first, items):
             last = item
             if item["text"] or item is first or item["finish_reason"] is not None:
-                yield _sse(shape.chunk(item["text"], item["finish_reason"], first=item is first))
+                event = _sse(shape.chunk(item["text"], item["finish_reason"], first=item is first))
+                if item["finish_reason"] is None:
+                    yield event
+                else:
+                    tail = event
         if include_usage:
-            yield _sse(shape.usage_chunk(last["prompt_tokens"], last["completion_tokens"]))
-        yield _sse("[DONE]")
+            tail += _sse(shape.usage_chunk(last["prompt_tokens"], last["completion_tokens"]))
+        yield tail + _sse("[DONE]")
 
     async def _collect(self, shape: ResponseShape, first: dict, items) -> dict:
         text, last = "", first

@@ -78,6 +78,8 @@ class _StatusCollector:
         captured = GaugeMetricFamily(
             "graphserve_graph_buckets_captured", "Decode buckets replaying", labels=["replica"]
         )
+        busy = CounterMetricFamily("graphserve_engine_busy_seconds", "Seconds the engine spent in model steps",
+                                   labels=["phase", "replica"])  # fmt: skip
         for replica, status in self.statuses.items():
             ready.add_metric([replica], 1.0 if status.get("state") == "READY" else 0.0)
             captured.add_metric([replica], sum(1 for b in status.get("buckets", {}).values() if b["ready"]))
@@ -88,7 +90,9 @@ class _StatusCollector:
                 padding.add_metric(labels, part["padding_rows"])
             for r in status.get("requests", {}).get("requests", []):
                 requests.add_metric([r["tenant"], r["outcome"], replica], r["count"])
-        yield from (steps, rows, padding, requests, ready, captured)
+            for phase, seconds in status.get("stats", {}).get("busy_s", {}).items():
+                busy.add_metric([phase, replica], seconds)
+        yield from (steps, rows, padding, requests, ready, captured, busy)
         with_requests = {r: s["requests"] for r, s in self.statuses.items() if "requests" in s}
         yield _histogram(
             "graphserve_ttft_seconds", "Time to first token", {r: v["ttft_s"] for r, v in with_requests.items()}

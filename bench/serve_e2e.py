@@ -32,6 +32,21 @@ def write_model(path: Path) -> None:
     write_checkpoint(path, BENCH_CONFIGS["1b"], build_byte_tokenizer(), seed=0)
 
 
+def counters(stats: dict) -> dict[str, float]:
+    """The cumulative engine counters a level's difference is taken of."""
+    return {"prefill_steps": stats["prefill_steps"], "decode_steps": stats["decode_steps"],
+            "generated_tokens": stats["generated_tokens"], "prefill_busy_s": stats["busy_s"]["prefill"],
+            "decode_busy_s": stats["busy_s"]["decode"]}  # fmt: skip
+
+
+def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Counters over one level, plus the engine's own time per decode step and per prefill."""
+    d = {k: after[k] - before[k] for k in after}
+    d["decode_ms_per_step"] = d["decode_busy_s"] / max(d["decode_steps"], 1) * 1e3
+    d["prefill_ms_per_step"] = d["prefill_busy_s"] / max(d["prefill_steps"], 1) * 1e3
+    return d
+
+
 def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: int) -> dict:
     from workers.engine import EngineConfig, LLMEngine
     from workers.sampling import SamplingParams
@@ -40,17 +55,15 @@ def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: i
     prompt = tokenizer(PROMPT)["input_ids"]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for _ in range(2):  # the first round warms the allocator and prefill kernels
-        before = engine.stats.snapshot()
+        before = counters(engine.stats.snapshot())
         seqs = [engine.add_request(prompt, params) for _ in range(streams)]
         t0 = time.perf_counter()
         while engine.has_work():
             engine.step()
         wall = time.perf_counter() - t0
     tpots = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs]
-    after = engine.stats.snapshot()
-    steps = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "generated_tokens")}
     result = dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(len(s.output_ids) for s in seqs) / wall,
-                  steps=steps, wall_s=wall)  # fmt: skip
+                  steps=difference(counters(engine.stats.snapshot()), before), wall_s=wall)  # fmt: skip
     del engine
     torch.cuda.empty_cache()
     return result
@@ -72,16 +85,28 @@ async def one_stream(client, model: str, max_tokens: int) -> tuple[float, float,
     return first, last, tokens
 
 
-async def serve_streams(base_url: str, model: str, streams: int, max_tokens: int) -> dict:
+async def serve_level(base_url: str, model: str, streams: int, max_tokens: int) -> dict:
+    """`streams` concurrent streams from one client whose connections are already open (a warm-up
+    round first, as any long-lived client has), and the replica's own counters over the level."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    await asyncio.gather(*[one_stream(client, model, 8) for _ in range(streams)])
+    await asyncio.sleep(2.5)  # replicas report every second
+    before = engine_counters()
     t0 = time.perf_counter()
     results = await asyncio.gather(*[one_stream(client, model, max_tokens) for _ in range(streams)])
     wall = time.perf_counter() - t0
+    await asyncio.sleep(2.5)
+    # The replica's own steps and busy time: did the engine itself slow down (more prefill steps,
+    # a slower step) or did the time go in transport?
+    steps = difference(engine_counters(), before)
     tpots = [(last - first) / (n - 1) for first, last, n in results if n > 1 and last > first]
+    first_ms = sorted((first - t0) * 1e3 for first, _, _ in results)
     return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(n for _, _, n in results) / wall,
-                completion_tokens=[n for _, _, n in results], wall_s=wall)  # fmt: skip
+                completion_tokens=[n for _, _, n in results], wall_s=wall, steps=steps,
+                first_chunk_ms=dict(min=first_ms[0], median=first_ms[len(first_ms) // 2],
+                                    max=first_ms[-1]))  # fmt: skip
 
 
 def replica_statuses() -> dict:
@@ -92,11 +117,11 @@ def replica_statuses() -> dict:
 
 
 def engine_counters() -> dict[str, float]:
-    """Cumulative prefill steps, decode steps and generated tokens over all replicas."""
-    totals = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0}
+    """Cumulative engine counters summed over all replicas."""
+    totals: dict[str, float] = {}
     for status in replica_statuses().values():
-        for key in totals:
-            totals[key] += status["stats"][key]
+        for key, value in counters(status["stats"]).items():
+            totals[key] = totals.get(key, 0) + value
     return totals
 
 
@@ -151,16 +176,10 @@ def main() -> None:
     print("replica states", {rid: s["state"] for rid, s in replicas.items()}, "captured", captured, flush=True)
     rows = []
     for c in args.streams:
-        asyncio.run(serve_streams("http://127.0.0.1:8000", model_dir.name, c, 8))  # warm the path
-        time.sleep(2.5)
-        before = engine_counters()
-        served = asyncio.run(serve_streams("http://127.0.0.1:8000", model_dir.name, c, args.max_tokens))
-        time.sleep(2.5)  # replicas report every second
-        # The replica's own steps during this level: did the engine itself slow down (more prefill
-        # steps, a slower step) or did the time go in transport?
-        during = {k: v - before[k] for k, v in engine_counters().items()}
-        rows.append(dict(streams=c, replica_steps=during, engine_alone_steps=alone[c]["steps"],
+        served = asyncio.run(serve_level("http://127.0.0.1:8000", model_dir.name, c, args.max_tokens))
+        rows.append(dict(streams=c, replica_steps=served["steps"], engine_alone_steps=alone[c]["steps"],
                          e2e_wall_s=served["wall_s"], engine_alone_wall_s=alone[c]["wall_s"],
+                         first_chunk_ms=served["first_chunk_ms"],
                          engine_tpot_ms=alone[c]["tpot_ms"], e2e_tpot_ms=served["tpot_ms"],
                          tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
                          engine_tokens_per_s=alone[c]["tokens_per_s"], e2e_tokens_per_s=served["tokens_per_s"],

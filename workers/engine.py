@@ -174,10 +174,14 @@ class LLMEngine:
         events: dict[str, TokenEvent] = {}
         admitted = self.scheduler.admit()
         if admitted:
+            start = time.perf_counter()
             self._prefill(admitted, events)
+            self.stats.record_busy("prefill", time.perf_counter() - start)
         batch = list(self.scheduler.running.values())
         if batch:
+            start = time.perf_counter()
             self._decode(batch, events)
+            self.stats.record_busy("decode", time.perf_counter() - start)
         return list(events.values())
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

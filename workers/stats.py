@@ -1,4 +1,5 @@
-"""Engine counters: steps, tokens, decode batch sizes, time to first token, time per output token."""
+"""Engine counters: steps, tokens, busy time, decode batch sizes, time to first token, time per
+output token."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class EngineStats:
         self.decode_steps = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds in model steps: utilization, per-step cost
         self.finished_requests: Counter[str] = Counter()
         self.batch_sizes: Counter[int] = Counter()
         self.ttft_s: deque[float] = deque(maxlen=window)
@@ -48,6 +50,10 @@ class EngineStats:
             self.decode_steps += 1
             self.generated_tokens += batch_size
             self.batch_sizes[batch_size] += 1
+
+    def record_busy(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.busy_s[phase] += seconds
 
     def record_step(self, mode: str, bucket_id: str, reason: str, rows: int, padding: int) -> None:
         """One model call of a decode step (a split step makes two: graph rows and eager rows)."""
@@ -105,6 +111,7 @@ class EngineStats:
                 "decode_steps": self.decode_steps,
                 "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens,
+                "busy_s": dict(self.busy_s),
                 "finished_requests": dict(self.finished_requests),
                 "decode_batch_sizes": dict(sorted(self.batch_sizes.items())),
                 "ttft_s": _summary(self.ttft_s),

@@ -460,6 +460,10 @@ def test_metrics_exposition(server):
         assert f"{name}_bucket{{" in text
     ready = [s for s in families["graphserve_replica_ready"].samples]
     assert [s.value for s in ready] == [1.0]
+    busy = families["graphserve_engine_busy_seconds"]
+    assert busy.type == "counter"
+    seconds = {s.labels["phase"]: s.value for s in busy.samples if s.name == "graphserve_engine_busy_seconds_total"}
+    assert set(seconds) == {"prefill", "decode"} and seconds["prefill"] > 0 and seconds["decode"] > 0
 
 
 def test_metrics_leak_no_secrets(server):

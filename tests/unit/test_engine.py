@@ -520,3 +520,4 @@ async def test_stats_snapshot_matches_streams(tiny, start):
     assert sum(snap["decode_batch_sizes"].values()) == snap["decode_steps"]
     assert sum(n * c for n, c in snap["decode_batch_sizes"].items()) + 5 == snap["generated_tokens"]
     assert max(snap["decode_batch_sizes"]) <= 3
+    assert snap["busy_s"]["prefill"] > 0 and snap["busy_s"]["decode"] > 0
