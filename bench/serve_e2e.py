@@ -1,10 +1,13 @@
 """End-to-end streamed TPOT through Ray Serve vs the engine's own, on one GPU, in one run.
 
 1. Writes a checkpoint of the Llama-3.2-1B shape (random bf16 weights, the byte tokenizer) to disk.
-2. Engine alone: c concurrent greedy requests of N tokens in-process; TPOT per request and tokens/s.
-3. The Serve app on the same checkpoint: time until /readyz (capture complete), then c concurrent
-   streamed completions with the real `openai` client; TPOT per stream (client clock, first to last
-   chunk) and aggregate tokens/s.
+2. Engine alone: c concurrent greedy requests of N tokens in-process, added at once; TPOT per
+   request and tokens/s.
+3. The Serve app on the same checkpoint: time until /readyz (capture complete), then per level one
+   `openai` client opens its connections with a warm-up round and runs c concurrent streamed
+   completions: TPOT per stream (client clock, first to last chunk), aggregate tokens/s, when each
+   stream's first chunk came, and the replica's own prefill/decode steps and busy time over the round
+   (did the engine slow down, or did the time go elsewhere?).
 
     python bench/serve_e2e.py --out bench/results/serve_e2e_h200.json
 """
@@ -24,6 +27,9 @@ from pathlib import Path
 import torch
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+# Before every measured round, served or not: replicas report every second, and both sides then
+# start from the same idle GPU and CPU (an idle device takes a few ms to clock up).
+IDLE_BEFORE_ROUND_S = 2.5
 
 
 def write_model(path: Path) -> None:
@@ -44,6 +50,7 @@ def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, f
     d = {k: after[k] - before[k] for k in after}
     d["decode_ms_per_step"] = d["decode_busy_s"] / max(d["decode_steps"], 1) * 1e3
     d["prefill_ms_per_step"] = d["prefill_busy_s"] / max(d["prefill_steps"], 1) * 1e3
+    d["tokens_per_busy_s"] = d["generated_tokens"] / max(d["prefill_busy_s"] + d["decode_busy_s"], 1e-9)
     return d
 
 
@@ -55,6 +62,7 @@ def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: i
     prompt = tokenizer(PROMPT)["input_ids"]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for _ in range(2):  # the first round warms the allocator and prefill kernels
+        time.sleep(IDLE_BEFORE_ROUND_S)
         before = counters(engine.stats.snapshot())
         seqs = [engine.add_request(prompt, params) for _ in range(streams)]
         t0 = time.perf_counter()
@@ -92,12 +100,12 @@ async def serve_level(base_url: str, model: str, streams: int, max_tokens: int) 
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
     await asyncio.gather(*[one_stream(client, model, 8) for _ in range(streams)])
-    await asyncio.sleep(2.5)  # replicas report every second
+    await asyncio.sleep(IDLE_BEFORE_ROUND_S)
     before = engine_counters()
     t0 = time.perf_counter()
     results = await asyncio.gather(*[one_stream(client, model, max_tokens) for _ in range(streams)])
     wall = time.perf_counter() - t0
-    await asyncio.sleep(2.5)
+    await asyncio.sleep(IDLE_BEFORE_ROUND_S)
     # The replica's own steps and busy time: did the engine itself slow down (more prefill steps,
     # a slower step) or did the time go in transport?
     steps = difference(engine_counters(), before)
@@ -184,6 +192,7 @@ def main() -> None:
                          tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
                          engine_tokens_per_s=alone[c]["tokens_per_s"], e2e_tokens_per_s=served["tokens_per_s"],
                          throughput_ratio=served["tokens_per_s"] / alone[c]["tokens_per_s"],
+                         throughput_vs_replica_engine=served["tokens_per_s"] / served["steps"]["tokens_per_busy_s"],
                          completion_tokens=served["completion_tokens"]))  # fmt: skip
         print(rows[-1], flush=True)
     serve.shutdown()

@@ -38,7 +38,8 @@ async def greedy_sharded(group: ShardGroup) -> list[list[int]]:
     async def one(i, prompt):
         tokens = []
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-        async for event in group.submit(prompt, params, f"req-{i}", None, 0.0):
+        # reads every 10 ms, as the replica does: the tokens of several steps arrive as one event
+        async for event in group.submit(prompt, params, f"req-{i}", None, 0.01):
             tokens += event.token_ids
         return tokens
 
