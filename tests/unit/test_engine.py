@@ -106,6 +106,17 @@ def mixed_requests(seed: int, n: int, **params) -> list[tuple[list[int], Samplin
 # ---------------------------------------------------------------- batching equals running alone
 
 
+def test_startup_prefill_warms_only_the_scratch_slot(tiny):
+    """The prefill run before READY (so the first request does not pay one-time set-up) writes only
+    the scratch slot and counts nowhere."""
+    engine = new_engine(tiny, max_num_seqs=3)
+    cache = engine.cache
+    assert not cache.k[:, : cache.num_slots].any() and not cache.v[:, : cache.num_slots].any()
+    assert cache.k[:, cache.scratch_slot].any()
+    snap = engine.stats.snapshot()
+    assert snap["prefill_steps"] == snap["prompt_tokens"] == snap["busy_s"]["prefill"] == 0
+
+
 def test_sync_batching_matches_solo_runs(tiny):
     """16 greedy requests of different lengths through 6 slots (queueing, slot reuse with stale KV
     from the previous owner) produce exactly the tokens each produces alone."""
