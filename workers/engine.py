@@ -115,12 +115,21 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _warm_prefill(self) -> None:
-        """One prefill into the scratch slot before READY: the first prefill of a process pays
-        one-time set-up (0.8 s on the H200), which would otherwise land on the first request."""
-        n = min(16, self.max_model_len)
-        tokens, positions, slots = [0] * n, list(range(n)), [self.cache.scratch_slot] * n
-        self._send(PREFILL, 1, tokens, positions, slots, [n])
-        self.model.prefill(self._tensor(tokens), self._tensor(positions), self._tensor(slots), [n], self.cache)
+        """Prefills into the scratch slot before READY. A process's first prefill pays one-time
+        set-up, and on CUDA a prefill of a new total length loads kernels not used before (both
+        measured in `bench/results/prefill_shapes_h200.md`): a ladder of sizes up to the largest
+        prefill moves that cost from the first requests to startup."""
+        sizes = [16]
+        if self.device.type == "cuda":
+            largest = max(self.config.max_prefill_tokens, self.max_model_len)
+            while sizes[-1] < largest:
+                sizes.append(min(2 * sizes[-1], largest))
+        for n in sizes:
+            lens = [min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)]
+            tokens, positions = [0] * n, [p for m in lens for p in range(m)]
+            slots = [self.cache.scratch_slot] * n
+            self._send(PREFILL, len(lens), tokens, positions, slots, lens)
+            self.model.prefill(self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:

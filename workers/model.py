@@ -13,7 +13,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.attention import make_backend
 from workers.config import ModelConfig
@@ -94,12 +93,6 @@ class Block(nn.Module):
         self.attn = Attention(cfg, tp, device)
         self.post_attn_norm = ReplicatedParameter([cfg.hidden_size], cfg.dtype, device)
         self.mlp = MLP(cfg, tp, device)
-
-
-# Prefill shapes change with every batch of prompts. cuDNN's attention builds a plan for each new shape
-# (on the H200 a new prompt-batch shape cost 12-18 ms more than a seen one); flash and
-# memory-efficient attention have no per-shape set-up.
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class LlamaModel(nn.Module):
@@ -230,9 +223,8 @@ class LlamaModel(nn.Module):
             return torch.cat(outs)
 
         h, cos, sin = self.embed_tokens(tokens, positions)
-        with sdpa_kernel(PREFILL_ATTENTION):
-            for i in range(len(self.layers)):
-                q, k, v = self.pre_attention(i, h, cos, sin, slot_ids, positions, cache)
-                h = self.post_attention(i, h, attend(q, k, v))
+        for i in range(len(self.layers)):
+            q, k, v = self.pre_attention(i, h, cos, sin, slot_ids, positions, cache)
+            h = self.post_attention(i, h, attend(q, k, v))
         last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
         return self.logits(h[last])
