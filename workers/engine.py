@@ -1,5 +1,6 @@
 """The synchronous engine: one `step()` admits and prefills new requests, then decodes the whole
-running batch by one token. The asyncio front (`async_engine.py`) drives it from its own thread."""
+running batch by one token. It is driven from a thread (`async_engine.py`) or, in a serving replica,
+from a process of its own (`engine_process.py`)."""
 
 from __future__ import annotations
 
