@@ -96,7 +96,7 @@ async def test_status_comes_from_the_child(shared):
     assert after["stats"]["generated_tokens"] - before["generated_tokens"] == len(ids) == 9
 
 
-async def test_coalesced_reads_gather_tokens_and_end_at_once(shared, monkeypatch):
+async def test_coalesced_reads_gather_tokens_and_end_at_once(shared):
     """With a read interval, a stream yields far fewer events than tokens, and the last one comes
     as soon as the request ends, not after the rest of the interval."""
     params = SamplingParams(max_tokens=40, ignore_eos=True)
