@@ -3,7 +3,6 @@ metrics. Stateless: tenant toggles live in the controller, engines in the replic
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,13 +17,10 @@ from app.config import AppConfig, admin_token_from_env, api_keys_from_env
 from app.controller import ControllerClient
 from app.metrics import render
 from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_response
+from app.readiness import ReadinessView
 from workers.default_model import TINY_NAME
 
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
-READY_CACHE_S = 1.0
-# A restarted controller knows no replica until each reports again (about every second): a replica
-# it stops listing stays in the readiness view this long, so a controller restart is no outage.
-REPORT_GRACE_S = 5.0
 RETRY_AFTER = {"Retry-After": "5"}
 
 
@@ -74,22 +70,7 @@ class Ingress:
         self.tenants = (
             set(self.config.tenants) | set(self.keys.values()) | ({auth.OPEN_TENANT} if not self.keys else set())
         )
-        self._statuses: dict[str, dict] = {}
-        self._statuses_at = 0.0
-        self._listed_at: dict[str, float] = {}  # replica id -> when the controller last listed it
-
-    async def _replica_statuses(self) -> dict[str, dict]:
-        if time.monotonic() - self._statuses_at > READY_CACHE_S:
-            fresh = await self.controller.call("replica_statuses")
-            now = time.monotonic()
-            self._listed_at = {r: t for r, t in self._listed_at.items() if now - t < REPORT_GRACE_S}
-            self._listed_at.update(dict.fromkeys(fresh, now))
-            self._statuses = {**{r: s for r, s in self._statuses.items() if r in self._listed_at}, **fresh}
-            self._statuses_at = now
-        return self._statuses
-
-    async def _any_ready(self) -> bool:
-        return any(s.get("state") == "READY" for s in (await self._replica_statuses()).values())
+        self.readiness = ReadinessView(lambda: self.controller.call("replica_statuses"))
 
     # -- OpenAI API --------------------------------------------------------------------------------
 
@@ -121,7 +102,7 @@ class Ingress:
             return error_response(400, *_validation_message(e))
         if req.model != self.model_name:
             return error_response(404, f"model {req.model!r} is not served here; try {self.model_name!r}", "model")
-        if not await self._any_ready():
+        if not await self.readiness.any_ready():
             return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
         chat = schema is ChatRequest
         payload = {
@@ -243,7 +224,7 @@ class Ingress:
 
     @api.get("/readyz")
     async def readyz(self) -> Response:
-        if await self._any_ready():
+        if await self.readiness.any_ready():
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "no replica has finished capture"}, status_code=503, headers=RETRY_AFTER)
 

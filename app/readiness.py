@@ -1,0 +1,63 @@
+"""Whether any LLM replica is READY, as the ingress sees it: the controller's replica statuses, looked
+up at most every `max_age_s`.
+
+Requests ask on every call, so the look-up must stay off their path. A burst arriving just after the
+view expired shares one controller call instead of making one each, and while some replica was READY
+at the last look, callers get that answer at once and the view refreshes in the background. Only
+before any replica was seen READY do callers wait for the controller. A restarted controller knows
+no replica until each reports again (about every second), so a replica it stops listing stays in
+the view for `grace_s`: a controller restart is no outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class ReadinessView:
+    def __init__(
+        self,
+        fetch: Callable[[], Awaitable[dict[str, dict]]],
+        max_age_s: float = 1.0,
+        grace_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """fetch: the controller's replica statuses, {replica id: status with a "state"}."""
+        self.fetch = fetch
+        self.max_age_s = max_age_s
+        self.grace_s = grace_s
+        self.clock = clock
+        self._ready: dict[str, bool] = {}
+        self._listed_at: dict[str, float] = {}  # replica id -> when the controller last listed it
+        self._fetched_at = float("-inf")
+        self._refreshing: asyncio.Task | None = None
+
+    async def any_ready(self) -> bool:
+        if self.clock() - self._fetched_at > self.max_age_s:
+            refresh = self._refresh()
+            if not any(self._ready.values()):
+                await asyncio.shield(refresh)  # a caller that goes away must not cancel the others' wait
+        return any(self._ready.values())
+
+    def _refresh(self) -> asyncio.Task:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._fetch())
+        return self._refreshing
+
+    async def _fetch(self) -> None:
+        try:
+            fresh = await self.fetch()
+        except Exception:  # keep the last view; the next caller tries again
+            log.warning("replica statuses unavailable from the controller", exc_info=True)
+            return
+        now = self.clock()
+        self._listed_at = {r: t for r, t in self._listed_at.items() if now - t < self.grace_s}
+        self._listed_at.update(dict.fromkeys(fresh, now))
+        self._ready = {r: ready for r, ready in self._ready.items() if r in self._listed_at}
+        self._ready.update({r: s.get("state") == "READY" for r, s in fresh.items()})
+        self._fetched_at = now

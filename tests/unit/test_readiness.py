@@ -1,0 +1,132 @@
+"""The ingress's readiness view: one controller call per refresh however many requests ask, no
+request waits for the controller while a replica was READY, a restarted controller's short memory
+is bridged, and a failing controller keeps the last view."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.readiness import ReadinessView
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Controller:
+    """Replica statuses on demand; `gate` holds every answer until a test releases it."""
+
+    def __init__(self, states: dict[str, str]) -> None:
+        self.states = states
+        self.calls = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.error: Exception | None = None
+
+    async def fetch(self) -> dict[str, dict]:
+        self.calls += 1
+        await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        return {r: {"state": s} for r, s in self.states.items()}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_burst_after_expiry_makes_one_call():
+    controller = Controller({"r1": "GRAPH_CAPTURED"})
+    clock = Clock()
+    view = ReadinessView(controller.fetch, max_age_s=1.0, clock=clock)
+    controller.gate.clear()
+    burst = [asyncio.create_task(view.any_ready()) for _ in range(32)]
+    await asyncio.sleep(0)
+    controller.states["r1"] = "READY"
+    controller.gate.set()
+    assert await asyncio.gather(*burst) == [True] * 32
+    assert controller.calls == 1
+    clock.now += 0.5
+    assert await view.any_ready() and controller.calls == 1  # still fresh: no call
+    clock.now += 1.0
+    controller.gate.clear()
+    second = [asyncio.create_task(view.any_ready()) for _ in range(32)]
+    assert await asyncio.gather(*second) == [True] * 32  # answered from the view, not waiting
+    assert controller.calls == 2  # and one background refresh for all of them
+    controller.gate.set()
+
+
+async def test_requests_do_not_wait_for_the_controller_once_ready():
+    controller = Controller({"r1": "READY"})
+    clock = Clock()
+    view = ReadinessView(controller.fetch, clock=clock)
+    assert await view.any_ready()
+    clock.now += 2.0
+    controller.gate.clear()  # the controller is slow to answer
+    assert await asyncio.wait_for(view.any_ready(), 0.5)
+    controller.states["r1"] = "FAILED"
+    controller.gate.set()
+    await asyncio.sleep(0.01)  # the background refresh lands
+    assert not await view.any_ready()
+
+
+async def test_before_any_ready_callers_wait_for_the_answer():
+    controller = Controller({"r1": "EAGER_WARMED"})
+    clock = Clock()
+    view = ReadinessView(controller.fetch, clock=clock)
+    assert not await view.any_ready()
+    controller.states["r1"] = "READY"
+    assert not await view.any_ready()  # within max_age: the cached "not yet"
+    clock.now += 1.5
+    assert await view.any_ready()
+
+
+async def test_a_cancelled_caller_does_not_cancel_the_refresh():
+    controller = Controller({"r1": "READY"})
+    view = ReadinessView(controller.fetch, clock=Clock())
+    controller.gate.clear()
+    first, second = asyncio.create_task(view.any_ready()), asyncio.create_task(view.any_ready())
+    await asyncio.sleep(0)
+    first.cancel()
+    controller.gate.set()
+    assert await second and controller.calls == 1
+
+
+async def test_replica_missing_after_controller_restart_stays_for_the_grace_period():
+    controller = Controller({"r1": "READY"})
+    clock = Clock()
+    view = ReadinessView(controller.fetch, max_age_s=1.0, grace_s=5.0, clock=clock)
+    assert await view.any_ready()
+    controller.states = {}  # a restarted controller has heard from nobody yet
+    for _ in range(3):
+        clock.now += 1.5
+        assert await view.any_ready()
+        await asyncio.sleep(0.01)
+    clock.now += 1.5  # 6 s since r1 was last listed
+    await view.any_ready()
+    await asyncio.sleep(0.01)
+    assert not await view.any_ready()
+
+
+async def test_controller_failure_keeps_the_last_view():
+    controller = Controller({"r1": "READY"})
+    clock = Clock()
+    view = ReadinessView(controller.fetch, clock=clock)
+    assert await view.any_ready()
+    controller.error = RuntimeError("controller restarting")
+    clock.now += 2.0
+    assert await view.any_ready()  # answered from the view; the refresh behind it fails
+    await asyncio.sleep(0.01)
+    assert controller.calls == 2
+    assert await view.any_ready()  # a failed refresh leaves the view stale: the next caller retries
+    await asyncio.sleep(0.01)
+    assert controller.calls == 3
+    controller.error = None
+    controller.states["r1"] = "FAILED"
+    await view.any_ready()
+    await asyncio.sleep(0.01)
+    assert controller.calls == 4 and not await view.any_ready()
