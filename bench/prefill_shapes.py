@@ -1,5 +1,5 @@
 """Prefill time for prompt batches whose total length is new vs seen before, without and with the
-engine's startup prefill warm-up (`LLMEngine._warm_prefill`).
+engine's startup warm-up (`LLMEngine._warm_first_token_path`).
 
 A serving engine prefills whatever arrived since its last step, so the total prompt length changes
 from one prefill to the next. Each wave prefills k prompts on a random 1B-shape model: first when
@@ -51,14 +51,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model = random_model("1b", 512, "cuda")
-    warm = LLMEngine._warm_prefill
-    LLMEngine._warm_prefill = lambda self: None
+    warm = LLMEngine._warm_first_token_path
+    LLMEngine._warm_first_token_path = lambda self: None
     engine = LLMEngine(model, EngineConfig(max_model_len=512, max_num_seqs=32))
-    LLMEngine._warm_prefill = warm
+    LLMEngine._warm_first_token_path = warm
     results = {"cold": phase(engine, 136)}
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    engine._warm_prefill()
+    engine._warm_first_token_path()
     torch.cuda.synchronize()
     results["warmup_s"] = time.perf_counter() - t0
     results["warmed"] = phase(engine, 137)

@@ -108,18 +108,19 @@ class LLMEngine:
         self.channel = channel
         try:
             self.runner.prepare(on_state=self._set_state)
-            self._warm_prefill()
+            self._warm_first_token_path()
         except Exception:
             self.state = EngineState.FAILED
             raise
         self.state = EngineState.READY
 
     @torch.inference_mode()
-    def _warm_prefill(self) -> None:
-        """Prefills into the scratch slot before READY. A process's first prefill pays one-time
-        set-up, and on CUDA a prefill of a new total length loads kernels not used before (both
-        measured in `bench/results/prefill_shapes_h200.md`): a ladder of sizes up to the largest
-        prefill moves that cost from the first requests to startup."""
+    def _warm_first_token_path(self) -> None:
+        """Prefills into the scratch slot, and sampling of their logits, before READY. A process's
+        first prefill pays one-time set-up, and on CUDA a prefill of a new total length loads
+        kernels not used before (both measured in `bench/results/prefill_shapes_h200.md`): a ladder
+        of sizes up to the largest prefill moves that cost from the first requests to startup.
+        Greedy and filtered sampling run once each for the same reason."""
         sizes = [16]
         if self.device.type == "cuda":
             largest = max(self.config.max_prefill_tokens, self.max_model_len)
@@ -130,7 +131,12 @@ class LLMEngine:
             tokens, positions = [0] * n, [p for m in lens for p in range(m)]
             slots = [self.cache.scratch_slot] * n
             self._send(PREFILL, len(lens), tokens, positions, slots, lens)
-            self.model.prefill(self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache)
+            logits = self.model.prefill(
+                self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache
+            )
+        rows = len(lens)
+        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
+            sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
