@@ -19,6 +19,7 @@ APP = "child"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    wait_for(lambda: not engine_pids(), 30, what="engine processes of earlier tests to exit")
     with running_app(tmp_path_factory.mktemp(APP), name=APP, admin_token="admin-child") as s:
         s.wait_ready()
         yield s
