@@ -36,6 +36,7 @@ class ReadinessView:
         self._listed_at: dict[str, float] = {}  # replica id -> when the controller last listed it
         self._fetched_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
+        self._failing = False
 
     async def any_ready(self) -> bool:
         if self.clock() - self._fetched_at > self.max_age_s:
@@ -53,8 +54,13 @@ class ReadinessView:
         try:
             fresh = await self.fetch()
         except Exception:  # keep the last view; the next caller tries again
-            log.warning("replica statuses unavailable from the controller", exc_info=True)
+            if not self._failing:  # once per outage, not once per request
+                log.warning("replica statuses unavailable from the controller", exc_info=True)
+            self._failing = True
             return
+        if self._failing:
+            log.info("replica statuses available from the controller again")
+        self._failing = False
         now = self.clock()
         self._listed_at = {r: t for r, t in self._listed_at.items() if now - t < self.grace_s}
         self._listed_at.update(dict.fromkeys(fresh, now))

@@ -112,7 +112,7 @@ async def test_replica_missing_after_controller_restart_stays_for_the_grace_peri
     assert not await view.any_ready()
 
 
-async def test_controller_failure_keeps_the_last_view():
+async def test_controller_failure_keeps_the_last_view(caplog):
     controller = Controller({"r1": "READY"})
     clock = Clock()
     view = ReadinessView(controller.fetch, clock=clock)
@@ -125,6 +125,7 @@ async def test_controller_failure_keeps_the_last_view():
     assert await view.any_ready()  # a failed refresh leaves the view stale: the next caller retries
     await asyncio.sleep(0.01)
     assert controller.calls == 3
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1  # once per outage
     controller.error = None
     controller.states["r1"] = "FAILED"
     await view.any_ready()
