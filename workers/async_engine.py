@@ -15,6 +15,7 @@ import contextlib
 import logging
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -94,7 +95,7 @@ class _Stream:
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # its last event (or a failure) is queued
 
 
-class StreamFront:
+class StreamFront(ABC):
     """The request side of an engine, on the event loop. Subclasses run the step loop and provide
     `alive`, `error` and `_send(command)`, and hand events back through `_emit`/`_emit_failure`."""
 
@@ -108,11 +109,11 @@ class StreamFront:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def alive(self) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def alive(self) -> bool: ...
 
-    def _send(self, command: Command) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _send(self, command: Command) -> None: ...
 
     def submit(
         self,
