@@ -96,8 +96,9 @@ class _Stream:
 
 
 class StreamFront(ABC):
-    """The request side of an engine, on the event loop. Subclasses run the step loop and provide
-    `alive`, `error` and `_send(command)`, and hand events back through `_emit`/`_emit_failure`."""
+    """The request side of an engine, on the event loop. Subclasses run the step loop, provide
+    `alive` and `_send(command)`, set `error` when the loop fails, and hand events back through
+    `_emit`/`_emit_failure`."""
 
     def __init__(self, tokenizer, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer

@@ -8,6 +8,7 @@ import asyncio
 
 import openai
 import pytest
+import ray
 
 from tests.integration.helpers import API_KEYS, running_app
 from workers.engine import EngineConfig, LLMEngine
@@ -57,9 +58,17 @@ async def streamed_texts(server) -> list[tuple[str, int]]:
     return await asyncio.gather(*(one(p) for p in PROMPTS))
 
 
+def shard_actors() -> list[str]:
+    """Class names of the live shard actors (Ray's state API needs the dashboard, which these tests
+    do not start; the GCS actor table does not)."""
+    return [a["ActorClassName"] for a in ray._private.state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"] == "ShardWorker"]  # fmt: skip
+
+
 def test_tp2_app_streams_what_one_process_generates(server):
     (status,) = server.admin_status()["replicas"].values()
     assert status["state"] == "READY"
+    assert len(shard_actors()) == 2  # really sharded: one actor per rank, not the single-process engine
     streamed = asyncio.run(streamed_texts(server))
     assert [tokens for _, tokens in streamed] == [TOKENS] * len(PROMPTS)
     assert [text for text, _ in streamed] == single_process_texts()
