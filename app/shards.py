@@ -103,7 +103,10 @@ class ShardGroup:
         self.rank0.set_graph_denial.remote(request_id, reason)
 
     async def status(self) -> dict:
-        return await self.rank0.status.remote()
+        status, shards = await asyncio.gather(
+            self.rank0.status.remote(), asyncio.gather(*(s.shard_status.remote() for s in self.shards))
+        )
+        return {**status, "shards": shards}
 
     async def check(self) -> None:
         alive = await asyncio.wait_for(asyncio.gather(*(s.alive.remote() for s in self.shards)), PING_TIMEOUT_S)

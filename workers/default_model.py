@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from workers.config import ModelConfig, parse_config
 from workers.model import LlamaModel
+from workers.parallel import TPGroup
 
 TINY_NAME = "tiny-llama-v1"
 TINY_SEED = 1234
@@ -166,11 +167,14 @@ def default_model_dir() -> Path:
     return target
 
 
-def random_model(name: str, max_model_len: int, device: torch.device | str, seed: int = 0) -> LlamaModel:
-    """A benchmark model of real shape (`1b` or `8b`), random bf16 weights made on the device."""
+def random_model(
+    name: str, max_model_len: int, device: torch.device | str, seed: int = 0, tp: TPGroup | None = None
+) -> LlamaModel:
+    """A benchmark model of real shape (`1b` or `8b`), random bf16 weights made on the device; with
+    `tp`, this rank's shard only."""
     cfg = parse_config(BENCH_CONFIGS[name])
     with torch.device(device):
-        model = LlamaModel(cfg, max_model_len)
+        model = LlamaModel(cfg, max_model_len, tp=tp)
     g = torch.Generator(device=device).manual_seed(seed)
     for p in model.parameters():
         p.data.normal_(0.0, 0.02, generator=g)

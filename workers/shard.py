@@ -8,6 +8,7 @@ a Ray actor per GPU; nothing here knows about Ray.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -42,6 +43,12 @@ class ShardWorker:
             self.runner.prepare()
             self._thread = threading.Thread(target=self._follow, args=(model, cache), daemon=True)
             self._thread.start()
+        self.captured_at = time.time()
+
+    def shard_status(self) -> dict:
+        """This rank's own capture: every rank captures (and replays) its own graphs, each with its
+        all-reduces inside, so operators see each rank's buckets, not only rank 0's."""
+        return {"rank": self.rank, "captured_at": self.captured_at, "buckets": self.runner.report()}
 
     def _follow(self, model, cache) -> None:
         try:
