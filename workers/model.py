@@ -18,6 +18,7 @@ from workers.attention import make_backend
 from workers.config import ModelConfig
 from workers.kv_cache import KVCache
 from workers.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
+from workers.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -205,26 +206,18 @@ class LlamaModel(nn.Module):
         cache: KVCache,
     ) -> torch.Tensor:
         """Whole prompts packed end to end (tokens of shape (sum(seq_lens),)); returns the logits of
-        each prompt's last token, (len(seq_lens), vocab). Attention runs per prompt, causal."""
+        each prompt's last token, (len(seq_lens), vocab). Attention is causal within each prompt:
+        one call for all prompts where the device allows (`prefill_attention.py`)."""
         window = self.cfg.sliding_window
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = []
-            for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens)):
-                n = qs.shape[0]
-                qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))
-                if window and n > window:
-                    i = torch.arange(n, device=qs.device)
-                    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-                else:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-                outs.append(o[0].transpose(0, 1).reshape(n, -1))
-            return torch.cat(outs)
-
         h, cos, sin = self.embed_tokens(tokens, positions)
+        packed = packed_supported(h, window)
+        prompts = PackedPrompts(seq_lens, h.device) if packed else None
         for i in range(len(self.layers)):
             q, k, v = self.pre_attention(i, h, cos, sin, slot_ids, positions, cache)
-            h = self.post_attention(i, h, attend(q, k, v))
+            if packed:
+                attn = packed_attention(q, k, v, prompts, window)
+            else:
+                attn = per_prompt_attention(q, k, v, seq_lens, window)
+            h = self.post_attention(i, h, attn)
         last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
         return self.logits(h[last])
