@@ -7,7 +7,12 @@
    `openai` client opens its connections with a warm-up round and runs c concurrent streamed
    completions: TPOT per stream (client clock, first to last chunk), aggregate tokens/s, when each
    stream's first chunk came, and the replica's own prefill/decode steps and busy time over the round
-   (did the engine slow down, or did the time go elsewhere?).
+   (did the engine slow down, or did the time go elsewhere?), and when each request started in the
+   proxy, the ingress and the replica (from Serve's request logs: where a burst's ramp comes from).
+
+`--throughput-optimized` runs Ray with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray Serve's own mode:
+no proxy hop (the ingress replica serves HTTP itself), gRPC between deployments, user code on the
+replica's main loop); the request logs then stay unbuffered so the stage times still come back.
 
     python bench/serve_e2e.py --out bench/results/serve_e2e_h200.json
 """
@@ -16,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -30,6 +37,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 # Before every measured round, served or not: replicas report every second, and both sides then
 # start from the same idle GPU and CPU (an idle device takes a few ms to clock up).
 IDLE_BEFORE_ROUND_S = 2.5
+SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
+# Serve's request log: the line is written when a request ends, with its duration.
+REQUEST_LINE = re.compile(
+    r"^INFO (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* -- (?:POST /v1/completions \d+|CALL generate \w+) ([\d.]+)ms"
+)
+STAGE_LOGS = {"proxy": "proxy_*.log", "ingress": "replica_*_Ingress_*.log", "replica": "replica_*_LLMReplica_*.log"}
 
 
 def write_model(path: Path) -> None:
@@ -102,10 +115,11 @@ async def serve_level(base_url: str, model: str, streams: int, max_tokens: int) 
     await asyncio.gather(*[one_stream(client, model, 8) for _ in range(streams)])
     await asyncio.sleep(IDLE_BEFORE_ROUND_S)
     before = engine_counters()
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
     results = await asyncio.gather(*[one_stream(client, model, max_tokens) for _ in range(streams)])
     wall = time.perf_counter() - t0
     await asyncio.sleep(IDLE_BEFORE_ROUND_S)
+    stages = stage_starts(t0_wall, t0_wall + wall)
     # The replica's own steps and busy time: did the engine itself slow down (more prefill steps,
     # a slower step) or did the time go in transport?
     steps = difference(engine_counters(), before)
@@ -114,7 +128,26 @@ async def serve_level(base_url: str, model: str, streams: int, max_tokens: int) 
     return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(n for _, _, n in results) / wall,
                 completion_tokens=[n for _, _, n in results], wall_s=wall, steps=steps,
                 first_chunk_ms=dict(min=first_ms[0], median=first_ms[len(first_ms) // 2],
-                                    max=first_ms[-1]))  # fmt: skip
+                                    max=first_ms[-1]), stage_start_ms=stages)  # fmt: skip
+
+
+def stage_starts(since: float, until: float) -> dict[str, dict]:
+    """When the round's requests started in each Serve stage, in ms after `since` (wall clock)."""
+    out = {}
+    for stage, pattern in STAGE_LOGS.items():
+        starts = []
+        for path in SERVE_LOGS.glob(pattern):
+            for line in path.read_text(errors="replace").splitlines():
+                m = REQUEST_LINE.match(line)
+                if m:
+                    end = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    start = end - float(m[2]) / 1e3
+                    if since - 0.05 <= start <= until:
+                        starts.append((start - since) * 1e3)
+        if starts:
+            starts.sort()
+            out[stage] = dict(n=len(starts), min=starts[0], median=starts[len(starts) // 2], max=starts[-1])
+    return out
 
 
 def replica_statuses() -> dict:
@@ -150,6 +183,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--stream-interval-ms", type=float, default=20.0)
+    ap.add_argument("--throughput-optimized", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -167,6 +201,9 @@ def main() -> None:
 
     os.environ.pop("GRAPHSERVE_API_KEYS", None)
     os.environ["GRAPHSERVE_ADMIN_TOKEN"] = "bench-admin"
+    if args.throughput_optimized:  # before ray.init: every Ray process reads it when it starts
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+        os.environ["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"] = "1"
     ray.init(num_cpus=8, num_gpus=1, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     app = deployment({"model": str(model_dir), "accelerator": "gpu", "max_model_len": args.max_model_len,
@@ -187,7 +224,7 @@ def main() -> None:
         served = asyncio.run(serve_level("http://127.0.0.1:8000", model_dir.name, c, args.max_tokens))
         rows.append(dict(streams=c, replica_steps=served["steps"], engine_alone_steps=alone[c]["steps"],
                          e2e_wall_s=served["wall_s"], engine_alone_wall_s=alone[c]["wall_s"],
-                         first_chunk_ms=served["first_chunk_ms"],
+                         first_chunk_ms=served["first_chunk_ms"], stage_start_ms=served["stage_start_ms"],
                          engine_tpot_ms=alone[c]["tpot_ms"], e2e_tpot_ms=served["tpot_ms"],
                          tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
                          engine_tokens_per_s=alone[c]["tokens_per_s"], e2e_tokens_per_s=served["tokens_per_s"],
@@ -198,7 +235,7 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, max_tokens=args.max_tokens,
-                stream_interval_ms=args.stream_interval_ms,
+                stream_interval_ms=args.stream_interval_ms, throughput_optimized=args.throughput_optimized,
                 serve_run_to_ready_s=ready_s, captured_buckets=captured,
                 model="1b-shape random bf16, byte tokenizer")  # fmt: skip
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
