@@ -104,7 +104,8 @@ async def test_coalesced_reads_gather_tokens_and_end_at_once(shared):
     assert len(ids) == 40 and reason == "length" and events < 20
     t0 = time.monotonic()
     ids, _, reason, events = await drain(shared.submit([BOS, 4], SamplingParams(max_tokens=3), interval_s=30.0))
-    assert time.monotonic() - t0 < 10 and events == 2  # the first token at once, the rest at the end
+    # the first token at once and the rest at the end (one event when all three are there before the first read)
+    assert time.monotonic() - t0 < 10 and events <= 2
 
 
 async def test_closing_a_stream_frees_its_slot_in_the_child(tiny):
