@@ -30,7 +30,6 @@ class PackedPrompts:
     """Where each prompt starts in the packed tokens; built once per prefill, used by every layer."""
 
     def __init__(self, seq_lens: list[int], device: torch.device) -> None:
-        self.seq_lens = seq_lens
         self.max_len = max(seq_lens)
         self.starts = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device)
 
