@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import socket
 import statistics
 import time
@@ -94,7 +95,7 @@ def run_world(world: int, args: argparse.Namespace) -> list[dict]:
         try:
             out.append(results.get(timeout=1))
             print(world, out[-1] if "tpot_ms" in out[-1] else {k: out[-1][k] for k in ("rank", "mode")}, flush=True)
-        except Exception:
+        except queue.Empty:
             continue
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"TP = {world}: a rank failed (exit codes {[p.exitcode for p in procs]})")
