@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from bench.decode_tpot import PROMPT_LEN, engine_tpot, percentile
 from policies.graph_policy import GraphPolicy
 from workers.default_model import random_model
-from workers.engine import EngineConfig, LLMEngine, prepare_model
-from workers.graph_runner import GraphRunner
+from workers.engine import EngineConfig, LLMEngine
+from workers.shard import prepare_follower
 from workers.tp import StepChannel, follow, init_tp_group
 
 WARMUP_STEPS = 20
@@ -56,9 +56,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
         config = EngineConfig(max_num_seqs=max(args.batch_sizes), max_model_len=model.max_model_len,
                               graph_policy=GraphPolicy(mode=mode))  # fmt: skip
         if rank > 0:
-            cache = prepare_model(model, config)
-            runner = GraphRunner(model, cache, config.graph_policy)
-            runner.prepare()
+            runner, cache = prepare_follower(model, config)
             follow(StepChannel(tp, device), model, runner, cache)
             results.put(dict(rank=rank, mode=mode, buckets=runner.report()))
             del runner, cache

@@ -34,9 +34,9 @@ class PackedPrompts:
         self.starts = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device)
 
 
-def packed_supported(q: torch.Tensor, window: int | None) -> bool:
-    """Whether one varlen call can serve this prefill."""
-    if varlen_attn is None or not q.is_cuda or q.dtype not in _PACKED_DTYPES:
+def packed_supported(x: torch.Tensor, window: int | None) -> bool:
+    """Whether one varlen call can serve a prefill whose activations are like `x` (device, dtype)."""
+    if varlen_attn is None or not x.is_cuda or x.dtype not in _PACKED_DTYPES:
         return False
     return "window_size" in _VARLEN_PARAMS or (not window and "is_causal" in _VARLEN_PARAMS)
 

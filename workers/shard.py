@@ -17,8 +17,19 @@ from policies.dispatch import FallbackReason
 from workers.async_engine import AsyncEngine, StreamEvent
 from workers.engine import EngineConfig, LLMEngine, load_for_engine, prepare_model, resolve_device
 from workers.graph_runner import GraphRunner
+from workers.kv_cache import KVCache
+from workers.model import LlamaModel
 from workers.sampling import SamplingParams
 from workers.tp import StepChannel, follow, init_tp_group
+
+
+def prepare_follower(model: LlamaModel, config: EngineConfig) -> tuple[GraphRunner, KVCache]:
+    """What a rank > 0 does before following rank 0: its cache, then the same warm-up, capture,
+    verification and agreement as rank 0's engine, so both meet the same collectives in order."""
+    cache = prepare_model(model, config)
+    runner = GraphRunner(model, cache, config.graph_policy)
+    runner.prepare()
+    return runner, cache
 
 
 class ShardWorker:
@@ -38,9 +49,7 @@ class ShardWorker:
             self.engine = AsyncEngine(engine, self.tokenizer, heartbeat_s=timeout_s / 4).start()
             self.runner = engine.runner
         else:
-            cache = prepare_model(model, config)
-            self.runner = GraphRunner(model, cache, config.graph_policy)
-            self.runner.prepare()
+            self.runner, cache = prepare_follower(model, config)
             self._thread = threading.Thread(target=self._follow, args=(model, cache), daemon=True)
             self._thread.start()
         self.captured_at = time.time()
