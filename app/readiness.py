@@ -6,7 +6,8 @@ view expired shares one controller call instead of making one each, and while so
 at the last look, callers get that answer at once and the view refreshes in the background. Only
 before any replica was seen READY do callers wait for the controller. A restarted controller knows
 no replica until each reports again (about every second), so a replica it stops listing stays in
-the view for `grace_s`: a controller restart is no outage.
+the view for `grace_s` of answers that lack it. The grace starts with the first such answer, not
+with the last listing: a controller down for longer than the grace is no outage either.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ReadinessView:
         self.grace_s = grace_s
         self.clock = clock
         self._ready: dict[str, bool] = {}
-        self._listed_at: dict[str, float] = {}  # replica id -> when the controller last listed it
+        self._missing_since: dict[str, float] = {}  # replica id -> first answer that did not list it
         self._fetched_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
         self._failing = False
@@ -62,8 +63,8 @@ class ReadinessView:
             log.info("replica statuses available from the controller again")
         self._failing = False
         now = self.clock()
-        self._listed_at = {r: t for r, t in self._listed_at.items() if now - t < self.grace_s}
-        self._listed_at.update(dict.fromkeys(fresh, now))
-        self._ready = {r: ready for r, ready in self._ready.items() if r in self._listed_at}
+        self._missing_since = {r: self._missing_since.get(r, now) for r in self._ready if r not in fresh}
+        self._ready = {r: ready for r, ready in self._ready.items()
+                       if now - self._missing_since.get(r, now) < self.grace_s}  # fmt: skip
         self._ready.update({r: s.get("state") == "READY" for r, s in fresh.items()})
         self._fetched_at = now

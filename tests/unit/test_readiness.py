@@ -102,14 +102,45 @@ async def test_replica_missing_after_controller_restart_stays_for_the_grace_peri
     view = ReadinessView(controller.fetch, max_age_s=1.0, grace_s=5.0, clock=clock)
     assert await view.any_ready()
     controller.states = {}  # a restarted controller has heard from nobody yet
-    for _ in range(3):
+    for _ in range(4):
         clock.now += 1.5
         assert await view.any_ready()
         await asyncio.sleep(0.01)
-    clock.now += 1.5  # 6 s since r1 was last listed
+    clock.now += 1.5  # 6 s since the first answer without r1
     await view.any_ready()
     await asyncio.sleep(0.01)
     assert not await view.any_ready()
+
+
+async def test_grace_starts_when_the_controller_answers_again():
+    """A controller down for longer than the grace period, then back with nobody reported yet: the
+    replica stays READY in the view for the grace period counted from that first answer."""
+    controller = Controller({"r1": "READY"})
+    clock = Clock()
+    view = ReadinessView(controller.fetch, max_age_s=1.0, grace_s=5.0, clock=clock)
+    assert await view.any_ready()
+    controller.error = RuntimeError("controller restarting")
+    clock.now += 20.0  # four times the grace, unanswered
+    assert await view.any_ready()
+    await asyncio.sleep(0.01)
+    controller.error, controller.states = None, {}
+    clock.now += 1.5
+    assert await view.any_ready()  # the first answer without r1: answered from the view
+    await asyncio.sleep(0.01)
+    assert await view.any_ready()  # r1 kept: its grace only started now
+    clock.now += 3.0
+    await view.any_ready()
+    await asyncio.sleep(0.01)
+    assert await view.any_ready()  # 3 s into the grace
+    controller.states = {"r1": "READY"}  # r1 reports again
+    clock.now += 3.0
+    await view.any_ready()
+    await asyncio.sleep(0.01)
+    controller.states = {}
+    clock.now += 4.0
+    await view.any_ready()
+    await asyncio.sleep(0.01)
+    assert await view.any_ready()  # listed again in between: a fresh grace
 
 
 async def test_controller_failure_keeps_the_last_view(caplog):
