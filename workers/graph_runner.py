@@ -5,7 +5,9 @@ batch into them, padding rows pointing at the KV cache's scratch slot. Capture h
 engine is READY: eager warmup on a side stream, then buckets largest first into one shared memory
 pool with the garbage collector quiet. A bucket that fails to capture, does not fit the memory
 budget, or replays differently from eager in the consistency check is recorded in the BucketTable
-with its reason and runs eager. Nothing is ever captured on the request path.
+with its reason and runs eager. Nothing is ever captured on the request path. With tensor
+parallelism the ranks agree on the captured buckets before verifying them (each verification
+replays all-reduces, which must pair up across ranks) and again after.
 
 `full` captures the whole step; `piecewise` captures the pieces between attention calls and runs
 attention eager (for backends that cannot be captured).
@@ -16,14 +18,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason
 from policies.graph_policy import GraphPolicy
+from workers.attention import GraphSupport
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 
@@ -40,6 +44,23 @@ class BucketRecord:
     error: str | None = None
 
 
+def initial_table(policy: GraphPolicy, cuda: bool, graph_support: GraphSupport) -> BucketTable:
+    """The bucket table a runner starts from, before any capture: what the device, the policy and the
+    attention backend allow, in that order of precedence."""
+    mode = ExecutionMode.PIECEWISE if policy.mode == "piecewise" else ExecutionMode.CUDA_GRAPH
+    table = BucketTable(policy.decode_batch_buckets, mode)
+    if not cuda:
+        table.global_reason = FallbackReason.UNAVAILABLE
+    elif policy.mode == "eager" or not policy.capture_on_startup:
+        table.global_reason = FallbackReason.DISABLED
+    elif graph_support == "none":
+        table.global_reason = FallbackReason.BACKEND_UNSUPPORTED
+    elif policy.mode == "full" and graph_support == "piecewise":
+        table.mode = ExecutionMode.PIECEWISE
+        table.downgrade_reason = FallbackReason.BACKEND_UNSUPPORTED
+    return table
+
+
 class GraphRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, policy: GraphPolicy) -> None:
         self.model = model
@@ -47,25 +68,18 @@ class GraphRunner:
         self.policy = policy
         self.backend = model.attention_backend
         self.device = model.embed.weight.device
-        mode = ExecutionMode.PIECEWISE if policy.mode == "piecewise" else ExecutionMode.CUDA_GRAPH
-        self.table = BucketTable(policy.decode_batch_buckets, mode)
+        self.table = initial_table(policy, self.device.type == "cuda", self.backend.graph_support)
+        if self.table.global_reason == FallbackReason.BACKEND_UNSUPPORTED:
+            log.warning("attention backend %s cannot run under CUDA graphs: decoding eager", self.backend.name)
+        elif self.table.downgrade_reason == FallbackReason.BACKEND_UNSUPPORTED:
+            log.warning("attention backend %s cannot be captured: mode full -> piecewise", self.backend.name)
         self.records: dict[int, BucketRecord] = {}
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._pool = None  # the memory pool of the capture in progress (see `_capture_bucket`)
         self.compile_s = 0.0
         self.step_fn = model.decode
         self.compiled = False
-        if self.device.type != "cuda":
-            self.table.global_reason = FallbackReason.UNAVAILABLE
-        elif policy.mode == "eager" or not policy.capture_on_startup:
-            self.table.global_reason = FallbackReason.DISABLED
-        elif self.backend.graph_support == "none":
-            self.table.global_reason = FallbackReason.BACKEND_UNSUPPORTED
-            log.warning("attention backend %s cannot run under CUDA graphs: decoding eager", self.backend.name)
-        elif policy.mode == "full" and self.backend.graph_support == "piecewise":
-            self.table.mode = ExecutionMode.PIECEWISE
-            self.table.downgrade_reason = FallbackReason.BACKEND_UNSUPPORTED
-            log.warning("attention backend %s cannot be captured: mode full -> piecewise", self.backend.name)
         if policy.compile and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             # Inductor's own cudagraphs stay off: this runner does the capturing.
             self.step_fn = torch.compile(model.decode, dynamic=False, options={"triton.cudagraphs": False})
@@ -107,12 +121,60 @@ class GraphRunner:
 
     # -- startup -------------------------------------------------------------------------------
 
-    def probe(self, bucket: int, seed: int) -> tuple[list[int], list[int], list[int]]:
-        """A batch that writes only the scratch slot: random tokens at distinct positions."""
-        g = torch.Generator().manual_seed(seed)
+    def _scratch_batch(self, bucket: int) -> tuple[list[int], list[int], list[int]]:
+        """A warmup batch that writes only the scratch slot: random tokens at distinct positions."""
+        g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, self.model.cfg.vocab_size, (bucket,), generator=g).tolist()
         positions = [i % self.cache.max_model_len for i in range(bucket)]
         return tokens, positions, [self.cache.scratch_slot] * bucket
+
+    def probe(self, bucket: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+        """A verification batch whose rows differ in what a graph could mix up: row i decodes a random
+        token in a real slot (distinct slots in shuffled order while there are enough; rows beyond
+        num_slots share them) at a distinct position of 1..n, so no two rows share a length or a
+        (slot, position). n = min(bucket, max_model_len - 2) keeps one position past every row
+        inside the cache (`_probe_kv`); rows past n, if any, pad like `_load`'s padding rows. The
+        same on every rank: it depends only on the bucket, the seed and the cache's shape."""
+        g = torch.Generator().manual_seed(seed)
+        n = max(0, min(bucket, self.cache.max_model_len - 2))
+        tokens = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=g).tolist()
+        positions = (torch.randperm(n, generator=g) + 1).tolist()
+        order = torch.randperm(self.cache.num_slots, generator=g).tolist()
+        slots = [order[i % len(order)] for i in range(n)]
+        pad = bucket - n
+        return tokens + [0] * pad, positions + [0] * pad, slots + [self.cache.scratch_slot] * pad
+
+    @contextlib.contextmanager
+    def _probe_kv(self, slots: list[int], positions: list[int], seed: int) -> Iterator[Callable[[], None]]:
+        """Random K/V for the probe rows to attend to, put back as they were on exit.
+
+        The region is positions 0..max(positions) + 1 of every real probe slot, in every layer: each
+        row's context, its own write and the position past it (so a mask that sees one position too
+        many or too few changes the output), and also where a graph that mixes rows with slots or is
+        one position off would write, so those writes are undone too. Yields `reset`, which fills
+        the region with the same random K/V again, so eager and replay start from one state. For
+        a probe of n rows that is min(n, num_slots) x (n + 2) positions a layer, held twice (what
+        was there, and the random fill) while one bucket is verified."""
+        real = sorted({s for s in slots if s != self.cache.scratch_slot})
+        if not real:
+            yield lambda: None
+            return
+        index = torch.tensor(real, device=self.device)
+        span = max(positions) + 2
+        layers = (self.cache.k, self.cache.v)
+        saved = [c[:, index, :, :span] for c in layers]  # advanced indexing: copies
+        g = torch.Generator(self.device).manual_seed(seed)
+        fill = [torch.randn(s.shape, generator=g, dtype=s.dtype, device=self.device) for s in saved]
+
+        def reset() -> None:
+            for c, f in zip(layers, fill):
+                c[:, index, :, :span] = f
+
+        try:
+            yield reset
+        finally:
+            for c, s in zip(layers, saved):
+                c[:, index, :, :span] = s
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -123,7 +185,7 @@ class GraphRunner:
             t0 = time.perf_counter()
             for bucket in sorted(self.table.buckets if self.enabled else (1,), reverse=True):
                 for _ in range(2):
-                    self._load(*self.probe(bucket, 0), bucket)
+                    self._load(*self._scratch_batch(bucket), bucket)
                     self.step_fn(*self._views(bucket), self.cache)
             if stream:
                 torch.cuda.synchronize()
@@ -135,7 +197,6 @@ class GraphRunner:
         """Capture every bucket, largest first, into one pool, within the policy's limits."""
         if not self.enabled:
             return
-        pool = torch.cuda.graph_pool_handle()
         budget = self.policy.graph_memory_budget_mb * MB
         used = 0.0
         gc.collect()
@@ -148,22 +209,16 @@ class GraphRunner:
                     record.error = f"max_cached_graphs={self.policy.max_cached_graphs} reached"
                     self.table.mark_missing(bucket, FallbackReason.EVICTED, record.error)
                     continue
-                torch.cuda.synchronize()
-                free_before, reserved_before = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
                 t0 = time.perf_counter()
                 try:
-                    self._capture_bucket(bucket, pool)
+                    delta = self._capture_bucket(bucket)
                 except Exception as e:  # a failed capture costs that bucket only
                     record.error = f"{type(e).__name__}: {e}"
                     self.table.mark_missing(bucket, FallbackReason.CAPTURE_ERROR, record.error)
                     self._drop(bucket)
                     log.warning("capture of bucket %d failed: %s", bucket, record.error)
                     continue
-                torch.cuda.synchronize()
                 record.capture_s = time.perf_counter() - t0
-                # Device memory the capture took: the larger of what the driver and the allocator saw.
-                taken_by_driver = free_before - torch.cuda.mem_get_info()[0]
-                delta = max(0, taken_by_driver, torch.cuda.memory_reserved() - reserved_before)
                 record.memory_mb = delta / MB
                 if used + delta > budget:
                     record.error = f"needs {delta / MB:.1f} MB; graph_memory_budget_mb={budget / MB:g} exceeded"
@@ -174,6 +229,7 @@ class GraphRunner:
                 self.table.mark_ready(bucket)
         finally:
             gc.enable()
+            self._pool = None
         log.info("captured %d/%d decode buckets, %.1f MB", len(self.table.ready), len(self.table.buckets), used / MB)
 
     def _drop(self, bucket: int) -> None:
@@ -181,11 +237,22 @@ class GraphRunner:
         for g in self._graphs.pop(bucket, []):
             g.reset()
 
-    def _capture_bucket(self, bucket: int, pool) -> None:
+    def _capture_bucket(self, bucket: int) -> int:
+        """Capture one bucket into the capture's shared pool (made by the first bucket) and return
+        the device memory it took, in bytes: the larger of what the driver and the allocator saw.
+        Everything capture needs of the CUDA runtime beyond `empty_cache` (a no-op without CUDA) is
+        here, so a CPU test can stand in for graphs by replacing this one method."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        free_before, reserved_before = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         if self.table.mode == ExecutionMode.CUDA_GRAPH:
-            self._capture_full(bucket, pool)
+            self._capture_full(bucket, self._pool)
         else:
-            self._capture_piecewise(bucket, pool)
+            self._capture_piecewise(bucket, self._pool)
+        torch.cuda.synchronize()
+        taken_by_driver = free_before - torch.cuda.mem_get_info()[0]
+        return max(0, taken_by_driver, torch.cuda.memory_reserved() - reserved_before)
 
     def _capture_full(self, bucket: int, pool) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -244,55 +311,81 @@ class GraphRunner:
     @torch.inference_mode()
     def verify(self) -> None:
         """Before READY: each captured bucket must replay what the same step computes eagerly on a
-        fresh probe batch, or it is withdrawn (`verify_mismatch`)."""
+        probe batch (`probe`, attending to random K/V from `_probe_kv`, both runs from the same
+        cache state), or it is withdrawn (`verify_mismatch`). Non-finite logits always fail: NaN
+        compares False with any tolerance. Every real slot's KV is left as it was (only the scratch
+        slot may change), so this may run again, also with live sequences in the cache."""
         for bucket in sorted(self.table.ready):
-            tokens, positions, slots = self.probe(bucket, seed=bucket + 1)
-            self._load(tokens, positions, slots, bucket)
-            eager = self.step_fn(*self._views(bucket), self.cache).float()
-            replayed = self._replays[bucket]().float()
+            seed = bucket + 1
+            tokens, positions, slots = self.probe(bucket, seed)
+            with self._probe_kv(slots, positions, seed) as reset:
+                reset()
+                self._load(tokens, positions, slots, bucket)
+                eager = self.step_fn(*self._views(bucket), self.cache).float()
+                reset()
+                replayed = self._replays[bucket]().float()
             diff = (replayed - eager).abs().max().item()
             self.records[bucket].verify_max_abs_diff = diff
+            tolerance = 1e-2 * eager.abs().max().item()
+            finite = bool(torch.isfinite(replayed).all()) and math.isfinite(diff)
             same_tokens = torch.equal(replayed.argmax(-1), eager.argmax(-1))
-            if not same_tokens or diff > 1e-2 * eager.abs().max().item():
-                detail = f"max |graph - eager| = {diff:.3g}, same argmax: {same_tokens}"
-                self.table.mark_missing(bucket, FallbackReason.VERIFY_MISMATCH, detail)
-                self._drop(bucket)
-                log.warning("bucket %d failed verification: %s", bucket, detail)
+            if finite and same_tokens and diff <= tolerance:
+                continue
+            if finite:
+                detail = f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
+            else:
+                detail = f"non-finite logits: max |graph - eager| = {diff}"
+            self.table.mark_missing(bucket, FallbackReason.VERIFY_MISMATCH, detail)
+            self._drop(bucket)
+            log.warning("bucket %d failed verification: %s", bucket, detail)
 
     def agree(self) -> None:
-        """With tensor parallelism: a bucket replays only if it captured and verified on every
-        rank; otherwise all ranks run it eager (`capture_error`), so they always replay together."""
+        """With tensor parallelism: a bucket replays only if it is ready on every rank; otherwise
+        all ranks run it eager, so they always replay together. A rank where it was ready records
+        the reason of a rank where it is not (the largest reason code among them, one all-reduce),
+        with a detail that says it happened on another rank."""
         tp = self.model.tp
         if tp.world_size == 1 or not self.enabled:
             return
-        local = torch.tensor([b in self.table.ready for b in self.table.buckets], dtype=torch.int32, device=self.device)
-        torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MIN, group=tp.group)
-        for bucket, everywhere in zip(self.table.buckets, local.tolist()):
-            if bucket in self.table.ready and not everywhere:
-                self.table.mark_missing(bucket, FallbackReason.CAPTURE_ERROR, "failed on another tensor-parallel rank")
+        reasons = list(FallbackReason)
+        codes = []  # per bucket: 0 if ready here, else 1 + the index of its reason
+        for bucket in self.table.buckets:
+            missing = self.table.missing.get(bucket, (FallbackReason.CAPTURE_ERROR, ""))
+            codes.append(0 if bucket in self.table.ready else 1 + reasons.index(missing[0]))
+        worst = torch.tensor(codes, dtype=torch.int32, device=self.device)
+        torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=tp.group)
+        for bucket, code in zip(self.table.buckets, worst.tolist()):
+            if bucket in self.table.ready and code:
+                reason = reasons[code - 1]
+                self.table.mark_missing(bucket, reason, f"{reason.value} on another tensor-parallel rank")
                 self._drop(bucket)
 
     def prepare(self, on_state: Callable[[EngineState], None] = lambda state: None) -> None:
-        """Warm up, capture, verify and (with TP) agree, in the same order on every rank."""
+        """Warm up, capture, (with TP) agree, verify and agree again, in the same order on every rank:
+        agreeing first makes every rank verify the same buckets, so verification's all-reduces pair
+        up; agreeing after withdraws everywhere a bucket that failed verification on one rank."""
         self.warmup()
         on_state(EngineState.EAGER_WARMED)
         if self.enabled:
             self.capture()
             on_state(EngineState.GRAPH_CAPTURED)
+            self.agree()
             self.verify()
             self.agree()
 
     def report(self) -> dict:
-        """Per-bucket capture facts for status pages."""
+        """Per-bucket capture facts for status pages, JSON-safe (served with allow_nan=False): a
+        non-finite verify diff is rendered null, and that bucket's error then says non-finite."""
         out = {}
         for bucket in self.table.buckets:
             rec = self.records.get(bucket, BucketRecord(bucket))
             missing = self.table.missing.get(bucket)
+            diff = rec.verify_max_abs_diff
             out[f"decode_bs_{bucket}"] = {
                 "ready": bucket in self.table.ready,
                 "capture_s": rec.capture_s,
                 "memory_mb": rec.memory_mb,
-                "verify_max_abs_diff": rec.verify_max_abs_diff,
+                "verify_max_abs_diff": diff if diff is not None and math.isfinite(diff) else None,
                 "fallback_reason": missing[0].value if missing else None,
                 "error": rec.error or (missing[1] if missing else None),
             }

@@ -12,6 +12,7 @@ from workers.sampling import SamplingParams
 pytestmark = pytest.mark.gpu
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
+CAPTURE_ORDER = tuple(sorted(BUCKETS, reverse=True))
 SIZES = (1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 33)  # every bucket, between buckets, and above the largest
 STEPS = 64
 
@@ -21,10 +22,10 @@ def cache_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path_factory.getbasetemp() / "models"))
 
 
-def make_engine(mode="full", backend="sdpa", max_num_seqs=40, **policy):
+def make_engine(mode="full", backend="sdpa", max_num_seqs=40, max_model_len=256, **policy):
     policy = GraphPolicy(mode=mode, decode_batch_buckets=policy.pop("buckets", BUCKETS), **policy)
-    config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=256, device="cuda", attention_backend=backend,
-                          graph_policy=policy)  # fmt: skip
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, device="cuda",
+                          attention_backend=backend, graph_policy=policy)  # fmt: skip
     return LLMEngine.from_config(config)[0]
 
 
@@ -125,19 +126,52 @@ def test_injected_capture_failure_costs_only_that_bucket(monkeypatch, eager_engi
     assert ("eager", "capture_error") in parts
 
 
-def test_memory_budget_and_max_cached_graphs():
-    """A budget below what all buckets need captures only what fits; max_cached_graphs caps the count."""
-    unlimited = make_engine()
-    total = sum(r.memory_mb for r in unlimited.runner.records.values())
-    assert total > 0
-    budget = total / 2
-    limited = make_engine(graph_memory_budget_mb=budget)
-    ready = limited.runner.table.ready
-    assert 0 < len(ready) < len(BUCKETS) or not ready
-    assert sum(limited.runner.records[b].memory_mb for b in ready) <= budget
-    assert any(r == FallbackReason.EVICTED for r, _ in limited.runner.table.missing.values())
-    capped = make_engine(max_cached_graphs=2)
-    assert capped.runner.table.ready == {16, 32}
+def cumulative_capture_mb(engine: LLMEngine) -> list[float]:
+    """Capture memory summed in capture order (largest bucket first): entry i covers the first i buckets."""
+    sums = [0.0]
+    for bucket in CAPTURE_ORDER:
+        sums.append(sums[-1] + engine.runner.records[bucket].memory_mb)
+    return sums
+
+
+def test_memory_budget_evicts_exactly_what_does_not_fit():
+    """Two runs without a limit measure what each capture takes (they differ by one-time costs and
+    the allocator's 2 MB granularity; a long max_model_len makes the largest graph's attention
+    buffers tens of MB, well above that). The budget goes in the middle of the widest gap both runs
+    leave between the cumulative sums before and after one bucket: the buckets captured before it
+    are ready, it is evicted, and each bucket is ready exactly when its own measured memory still
+    fits what is left (after an eviction, smaller graphs reuse the evicted graph's memory in the
+    shared pool, so only the limited run's own numbers tell for them)."""
+    runs = [cumulative_capture_mb(make_engine(max_model_len=4096)) for _ in range(2)]
+    gaps = []
+    for i in range(len(CAPTURE_ORDER)):
+        low = max(r[i] for r in runs)  # the most either run took for the buckets before this one
+        high = min(r[i + 1] for r in runs)  # the least either took with this one too
+        gaps.append((high - low, i, low, high))
+    width, gap, low, high = max(gaps)
+    assert width >= 8, f"no capture stands out from the measurement noise: {runs}"
+    budget = (low + high) / 2
+    runner = make_engine(max_model_len=4096, graph_memory_budget_mb=budget).runner
+    ready, missing = runner.table.ready, runner.table.missing
+    assert set(CAPTURE_ORDER[:gap]) <= ready and CAPTURE_ORDER[gap] not in ready
+    used = 0.0
+    for bucket in CAPTURE_ORDER:
+        memory = runner.records[bucket].memory_mb
+        if used + memory <= budget:
+            assert bucket in ready, (bucket, memory, used, budget)
+            used += memory
+        else:
+            assert missing[bucket][0] == FallbackReason.EVICTED, bucket
+            assert "graph_memory_budget_mb" in missing[bucket][1]
+    assert sum(runner.records[b].memory_mb for b in ready) <= budget
+
+
+def test_max_cached_graphs_keeps_the_largest():
+    """Capture is largest first, so a cap of two keeps 32 and 16; the rest are evicted, saying why."""
+    table = make_engine(max_cached_graphs=2).runner.table
+    assert table.ready == {16, 32}
+    assert {b: r for b, (r, _) in table.missing.items()} == dict.fromkeys((1, 2, 4, 8), FallbackReason.EVICTED)
+    assert all("max_cached_graphs=2" in detail for _, detail in table.missing.values())
 
 
 def test_denied_requests_never_replay_and_do_not_drag_others(monkeypatch, eager_engine):

@@ -1,5 +1,6 @@
 """BucketTable: padding arithmetic, the (mode, bucket, reason) of every dispatch, every reason the
-table can give, and split_by_permission's row grouping."""
+table can give (each reached through the code that sets it in serving), and split_by_permission's
+row grouping."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from policies.dispatch import (
     bucket_id,
     split_by_permission,
 )
+from policies.graph_policy import GraphPolicy
+from tests.unit.engine_fixtures import Tiny, load_tiny
+from tests.unit.graph_faults import EagerGraphRunner, slots_rolled
+from workers.attention import SdpaDecode, SdpaVarlenDecode
+from workers.graph_runner import GraphRunner, initial_table
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 UNEVEN_BUCKETS = (1, 3, 12)
@@ -142,22 +148,50 @@ def test_ready_again_after_missing_replays():
     assert table.dispatch(2) == Dispatch(EAGER, None, R.EVICTED)
 
 
-def test_every_table_reason_is_reachable():
-    """All reasons except the per-request ones come out of some table state."""
-    seen = set()
-    for reason in (R.UNAVAILABLE, R.DISABLED, R.REBUILDING, R.BACKEND_UNSUPPORTED):
-        t = ready_table()
-        t.global_reason = reason
-        seen.add(t.dispatch(1).reason)
-    seen.add(ready_table().dispatch(33).reason)
-    for reason in (R.CAPTURE_ERROR, R.EVICTED, R.VERIFY_MISMATCH):
-        t = ready_table()
-        t.mark_missing(1, reason)
-        seen.add(t.dispatch(1).reason)
-    t = ready_table(mode=PIECEWISE)
-    t.downgrade_reason = R.BACKEND_UNSUPPORTED
-    seen.add(t.dispatch(1).reason)
-    assert seen == set(FallbackReason) - set(REQUEST_REASONS)
+# Set only by graph rebuilds on a model or LoRA swap (the model-swap work), which no code path does yet:
+# when it exists, reach it in the test below through that code instead of listing it here.
+NOT_YET_PRODUCED = {R.REBUILDING}
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+def test_every_table_reason_is_reachable(tiny):
+    """Every reason except the per-request ones (and NOT_YET_PRODUCED) comes out of the code that
+    sets it in serving: real GraphRunners on CPU for unavailable, capture_error, evicted and
+    verify_mismatch (capture through the CPU stand-in), the runner's own `initial_table` for what a
+    CUDA device's policy and backend decide, and the table's own dispatch for shape_miss."""
+    model = tiny.model
+    cpu_runner = GraphRunner(model, model.make_kv_cache(4), GraphPolicy())
+    assert cpu_runner.table.dispatch(1).reason == R.UNAVAILABLE
+    seen = {R.UNAVAILABLE}
+    # Capture 16 (ready), 8 (fails), 4 (ready, then fails verification), 2 (ready), 1 (over max_cached_graphs).
+    runner = EagerGraphRunner(
+        model, model.make_kv_cache(4), GraphPolicy(decode_batch_buckets=(1, 2, 4, 8, 16), max_cached_graphs=3),
+        faults={4: slots_rolled(model)}, fail=frozenset({8}),
+    )  # fmt: skip
+    runner.prepare()
+    assert runner.table.ready == {2, 16} and runner.table.dispatch(2).reason is None
+    reasons = [runner.table.dispatch(n).reason for n in (1, 3, 5, 17)]
+    assert reasons == [R.EVICTED, R.VERIFY_MISMATCH, R.CAPTURE_ERROR, R.SHAPE_MISS]
+    seen.update(reasons)
+
+    sdpa, varlen = SdpaDecode.graph_support, SdpaVarlenDecode.graph_support
+    allowed = initial_table(GraphPolicy(), cuda=True, graph_support=sdpa)
+    assert allowed.global_reason is None and allowed.downgrade_reason is None
+    for policy, support, expected in [
+        (GraphPolicy(mode="eager"), sdpa, R.DISABLED),
+        (GraphPolicy(capture_on_startup=False), sdpa, R.DISABLED),
+        (GraphPolicy(), "none", R.BACKEND_UNSUPPORTED),  # global; no shipped backend declares "none"
+        (GraphPolicy(), varlen, R.BACKEND_UNSUPPORTED),  # full lowered to piecewise
+    ]:
+        table = initial_table(policy, cuda=True, graph_support=support)
+        table.mark_ready(1)  # as if captured: a global or downgrade reason still decides
+        assert table.dispatch(1).reason == expected, (policy, support)
+        seen.add(expected)
+    assert seen == set(FallbackReason) - set(REQUEST_REASONS) - NOT_YET_PRODUCED
 
 
 def test_request_reasons():
