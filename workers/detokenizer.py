@@ -3,18 +3,59 @@
 Decodes only a short window of recent tokens per step (prefix/read offsets), holds back an
 incomplete UTF-8 character and any tail that could still become a stop string, and cuts the text at
 the first stop string.
+
+Stop strings are matched by one KMP automaton each, advanced over every newly decoded character:
+amortized O(1) per character and stop string, whatever the stop string's length or the text's. The
+text not yet handed out is the held-back tail plus the new characters, never the whole text.
 """
 
 from __future__ import annotations
 
 
+class StopMatcher:
+    """The KMP automaton of one stop string: `state` is the length of the longest prefix of the stop
+    string that ends the text fed so far."""
+
+    __slots__ = ("stop", "fail", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        # fail[i]: the longest proper prefix of stop[: i + 1] that is also its suffix (prefix function)
+        self.fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+
+    def feed(self, ch: str) -> bool:
+        """Advance over one character; True when the stop string now ends the text."""
+        stop, k = self.stop, self.state
+        while k and stop[k] != ch:
+            k = self.fail[k - 1]
+        if stop[k] == ch:
+            k += 1
+        if k == len(stop):
+            self.state = self.fail[k - 1]
+            return True
+        self.state = k
+        return False
+
+
 class IncrementalDetokenizer:
+    """One request's completion text, handed out as its tokens arrive."""
+
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.ids: list[int] = []
-        self.text = ""  # all decoded text so far
-        self.emitted = 0  # characters of self.text already handed out
+        self.stopped = False  # a stop string was hit: nothing more is ever handed out
+        self._matchers = [StopMatcher(s) for s in stop]
+        self._longest = max(map(len, stop), default=0)
+        self._pending = ""  # decoded text not handed out yet: the tail that could still become a stop string
         self._prefix = 0
         self._read = 0
 
@@ -23,40 +64,51 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed new tokens; returns (text that is now final, whether a stop string was hit)."""
+        if self.stopped:
+            return "", True
         self.ids.extend(token_ids)
-        self._advance(final=False)
-        if self.stop:
-            start = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                return self._take(len(self.text)), True
-            return self._take(len(self.text) - self._held_back()), False
-        return self._take(len(self.text)), False
+        new = self._advance(final=False)
+        if not self._matchers:
+            return new, False
+        base = len(self._pending)  # where `new` starts in pending + new
+        cut = self._first_stop(new, base)
+        text = self._pending + new
+        if cut is not None:
+            self.stopped = True
+            self._pending = ""
+            return text[:cut], True
+        held = max(m.state for m in self._matchers)
+        self._pending = text[len(text) - held :]
+        return text[: len(text) - held], False
 
     def flush(self) -> str:
         """The rest of the text at the end of a stream not cut by a stop string, incomplete
         characters included."""
-        self._advance(final=True)
-        return self._take(len(self.text))
+        if self.stopped:
+            return ""
+        text = self._pending + self._advance(final=True)
+        self._pending = ""
+        return text
 
-    def _advance(self, final: bool) -> None:
+    def _first_stop(self, new: str, base: int) -> int | None:
+        """Feed `new` to every automaton; the start (in pending + new) of the earliest-starting stop
+        string that ends within `new`, or None. Every such match starts within the pending text or
+        `new`, as the pending text holds the longest tail that is a prefix of a stop string."""
+        cut = None
+        for i, ch in enumerate(new):
+            end = base + i + 1
+            if cut is not None and end - self._longest >= cut:
+                break  # a match ending here or later starts after the cut
+            for m in self._matchers:
+                if m.feed(ch) and (cut is None or end - len(m.stop) < cut):
+                    cut = end - len(m.stop)
+        return cut
+
+    def _advance(self, final: bool) -> str:
+        """The newly decoded text (none while the last character is still incomplete, unless final)."""
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         new_text = self._decode(self.ids[self._prefix :])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
-            self.text += new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        for n in range(min(len(self.text), max(len(s) for s in self.stop) - 1), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
-
-    def _take(self, upto: int) -> str:
-        upto = max(upto, self.emitted)
-        out = self.text[self.emitted : upto]
-        self.emitted = upto
-        return out
+            return new_text[len(prefix_text) :]
+        return ""

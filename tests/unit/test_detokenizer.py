@@ -4,11 +4,15 @@ decode, multi-byte characters are never split, and stop strings cut the text exa
 from __future__ import annotations
 
 import random
+import sys
+from collections.abc import Callable
 
 import pytest
 
+import workers.detokenizer
+from app.openai_protocol import STOP_MAX_CHARS
 from tests.unit.engine_fixtures import load_tiny
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, StopMatcher
 
 MIXED = "Hi é€中😀 ok, ünïcödé ∑ 𝄞 end"
 
@@ -188,29 +192,149 @@ def test_no_stop_flush_returns_the_rest(tokenizer):
     assert "".join(pieces) == text
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_stop_random_chunks_match_reference(tokenizer, seed):
-    """For random text, stop strings and chunkings, the streamed output equals the reference: after
-    the first chunk whose arrival makes some stop string appear in the text so far, that text cut at
-    the earliest such occurrence (or, with no stop, the whole text)."""
-    rng = random.Random(seed)
-    alphabet = "ab é€"
-    text = "".join(rng.choice(alphabet) for _ in range(80))
-    stops = tuple({text[i : i + rng.randint(1, 4)] for i in rng.sample(range(70), rng.randint(0, 3))} | {"zz"})
-    ids = enc(tokenizer, text)
+def random_chunks(rng: random.Random, ids: list[int], most: int = 4) -> list[list[int]]:
     chunks, i = [], 0
     while i < len(ids):
-        n = rng.randint(1, 4)
+        n = rng.randint(1, most)
         chunks.append(ids[i : i + n])
         i += n
-    pieces, hit = stream(IncrementalDetokenizer(tokenizer, stop=stops), chunks)
-    ref, ref_hit, seen = text, False, []
+    return chunks
+
+
+def reference(tokenizer, text: str, chunks: list[list[int]], stops: tuple[str, ...]) -> tuple[str, bool]:
+    """After the first chunk whose arrival makes some stop string appear in the text so far, that text
+    cut at the earliest such occurrence (or, with no stop, the whole text)."""
+    seen = []
     for chunk in chunks:
         seen += chunk
         so_far = tokenizer.decode(seen).rstrip("\ufffd")  # whole characters only
         found = [so_far.find(s) for s in stops if s in so_far]
         if found:
-            ref, ref_hit = so_far[: min(found)], True
-            break
-    assert hit == ref_hit
-    assert "".join(pieces) == ref
+            return so_far[: min(found)], True
+    return text, False
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stop_random_chunks_match_reference(tokenizer, seed):
+    """For random text, stop strings taken from it and chunkings, the streamed output equals the
+    reference."""
+    rng = random.Random(seed)
+    alphabet = "ab é€"
+    text = "".join(rng.choice(alphabet) for _ in range(80))
+    stops = tuple({text[i : i + rng.randint(1, 4)] for i in rng.sample(range(70), rng.randint(0, 3))} | {"zz"})
+    chunks = random_chunks(rng, enc(tokenizer, text))
+    pieces, hit = stream(IncrementalDetokenizer(tokenizer, stop=stops), chunks)
+    assert (("".join(pieces)), hit) == reference(tokenizer, text, chunks, stops)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_self_overlapping_stops_match_reference(tokenizer, seed):
+    """On a two-letter alphabet (stop strings overlapping themselves and each other, long partial
+    matches that fail late), random stop strings that may or may not occur stream as the reference
+    says, and no piece ever holds text from the stop string on."""
+    rng = random.Random(1000 + seed)
+    text = "".join(rng.choice("aab€") for _ in range(120))
+    stops = tuple({"".join(rng.choice("aab€") for _ in range(rng.randint(1, 9))) for _ in range(rng.randint(1, 4))})
+    chunks = random_chunks(rng, enc(tokenizer, text), most=6)
+    pieces, hit = stream(IncrementalDetokenizer(tokenizer, stop=stops), chunks)
+    expected, expected_hit = reference(tokenizer, text, chunks, stops)
+    assert ("".join(pieces), hit) == (expected, expected_hit)
+    assert not any(s in "".join(pieces) for s in stops)
+
+
+def test_later_ending_stop_that_starts_earlier_wins_within_one_addition(tokenizer):
+    """Within one addition, a stop string that ends after another but starts before it is the cut;
+    fed token by token, the one completed first cuts (its addition is the first with a stop)."""
+    stops = ("abcd", "bc")
+    assert IncrementalDetokenizer(tokenizer, stop=stops).add(enc(tokenizer, "xabcd!")) == ("x", True)
+    pieces, hit = stream(IncrementalDetokenizer(tokenizer, stop=stops), [[t] for t in enc(tokenizer, "xabcd!")])
+    assert hit and "".join(pieces) == "xa"
+
+
+def test_self_overlapping_stop_found_after_a_late_mismatch(tokenizer):
+    """'aabaaab' in 'aabaabaaab' starts at 3: the mismatch at the sixth character releases only the
+    first 'aab', the tail 'aab' still beginning a match, which then completes."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("aabaaab",))
+    pieces, hit = stream(detok, [[t] for t in enc(tokenizer, "aabaabaaab tail")])
+    assert hit
+    assert pieces == ["", "", "", "", "", "aab", "", "", "", ""]
+
+
+def test_held_back_multibyte_prefix_released_when_it_cannot_match(tokenizer):
+    """A held-back tail of multi-byte characters comes out whole, with the character that broke the
+    match, and never as half a character."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("€中!",))
+    pieces = [detok.add([t])[0] for t in enc(tokenizer, "5€中?")]
+    assert "".join(pieces) == "5€中?"
+    assert [p for p in pieces if p] == ["5", "€中?"]
+    assert detok.flush() == ""
+
+
+def test_nothing_is_handed_out_after_a_stop(tokenizer):
+    """Once a stop string is hit, later additions and flush return nothing, whatever they bring."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("##",))
+    assert detok.add(enc(tokenizer, "ok ## gone")) == ("ok ", True)
+    assert detok.add(enc(tokenizer, "more")) == ("", True)
+    assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_stop_matcher_state_is_longest_prefix_ending_the_text(seed):
+    """The automaton's state after each character equals the naive definition: the longest prefix of
+    the stop string that ends the text so far (a full match reported, not kept as the state)."""
+    rng = random.Random(seed)
+    stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 8)))
+    text = "".join(rng.choice("ab") for _ in range(200))
+    matcher = StopMatcher(stop)
+    for i in range(len(text)):
+        hit = matcher.feed(text[i])
+        seen = text[: i + 1]
+        assert hit == seen.endswith(stop)
+        longest = max(n for n in range(len(stop)) if seen.endswith(stop[:n]))
+        assert matcher.state == longest
+
+
+def lines_run_in_detokenizer(fn: Callable[[], object]) -> int:
+    """How many Python lines of workers/detokenizer.py run during fn(): the detokenizer's own work,
+    counted instead of timed (the tokenizer's decode is not counted)."""
+    target = workers.detokenizer.__file__
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if frame.f_code.co_filename != target:
+            return None
+        count += event == "line"
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+@pytest.mark.parametrize(
+    ("text", "short", "long"),
+    [
+        ("The quick brown fox; " * 200, "QQ", "Q" * STOP_MAX_CHARS),  # never a prefix
+        ("ab" * 2000, "ac", "ab" * (STOP_MAX_CHARS // 2 - 1) + "ac"),  # a long partial match, always
+    ],
+    ids=["no-prefix", "partial-matches"],
+)
+def test_stop_string_work_per_token_is_bounded(tokenizer, text, short, long):
+    """The work per token grows neither with the stop string's length (up to the cap) nor with the
+    text already generated: fed token by token, a stop at the cap costs about what a 2-character one
+    does, and twice the text about twice the work."""
+    ids = enc(tokenizer, text[:2000])
+
+    def work(stop: str, n: int) -> int:
+        return lines_run_in_detokenizer(
+            lambda: stream(IncrementalDetokenizer(tokenizer, stop=(stop,)), [[t] for t in ids[:n]])
+        )
+
+    at_cap = work(long, 1000)
+    assert at_cap <= 1.5 * work(short, 1000)
+    assert work(long, 2000) <= 2.2 * at_cap
