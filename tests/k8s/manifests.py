@@ -114,6 +114,24 @@ def pod_labels(node_type: str, group: dict) -> dict[str, str]:
     return labels
 
 
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and In/NotIn/Exists/DoesNotExist; an empty
+    selector selects everything)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
 def named_port(container: dict, name: str) -> int | None:
     return next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == name), None)
 

@@ -12,11 +12,23 @@ import yaml
 from . import manifests as m
 
 KUSTOMIZATIONS = sorted(m.K8S.rglob("kustomization.yaml"))
-EXPECTED = {("RayService", "graphserve"), ("ConfigMap", "graphserve-graph-policy"), ("Ingress", "graphserve-api")}
-MONITORS = {("PodMonitor", "graphserve-ray"), ("PodMonitor", "graphserve-app")}
+EXPECTED = {
+    ("RayService", "graphserve"),
+    ("ConfigMap", "graphserve-graph-policy"),
+    ("Ingress", "graphserve-api"),
+    ("NetworkPolicy", "graphserve-ray"),
+    ("NetworkPolicy", "graphserve-ray-head-operator"),
+}
+MONITORS = {
+    ("PodMonitor", "graphserve-ray"),
+    ("PodMonitor", "graphserve-app"),
+    ("NetworkPolicy", "graphserve-ray-metrics"),
+}
+STATE = {("PersistentVolumeClaim", "graphserve-state")}
 EXTRA = {
-    "overlays/gpu": {("PersistentVolumeClaim", "graphserve-models")} | MONITORS,
-    m.CPU_DEV_MONITORED: MONITORS,
+    "overlays/gpu": {("PersistentVolumeClaim", "graphserve-models")} | MONITORS | STATE,
+    "overlays/cpu-dev": STATE,
+    m.CPU_DEV_MONITORED: MONITORS | STATE,
 }
 
 
@@ -58,7 +70,8 @@ def test_every_manifest_parses(path):
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS, ids=lambda p: p.parent.relative_to(m.K8S).as_posix())
 def test_kustomization_references_exist_and_patches_hit(kustomization, rendered):
     """Without kustomize one could still trust this: every referenced file exists and every patch
-    names an object (same kind and name) of the resources it patches."""
+    names an object (same kind and name) of the resources it patches (for a component: of the
+    kustomizations that include it)."""
     here = kustomization.parent
     spec = yaml.safe_load(kustomization.read_text())
     assert (spec["apiVersion"], spec["kind"]) in (
@@ -72,11 +85,17 @@ def test_kustomization_references_exist_and_patches_hit(kustomization, rendered)
         component_spec = yaml.safe_load((here / component / "kustomization.yaml").read_text())
         assert component_spec["kind"] == "Component", f"{kustomization}: {component} is not a Component"
     parents = [here / r for r in spec.get("resources", []) if (here / r / "kustomization.yaml").is_file()]
+    if spec["kind"] == "Component":
+        parents = [k.parent for k in KUSTOMIZATIONS if here.resolve() in includes(k)]
+        assert parents, f"{kustomization}: a component no kustomization includes"
     patchable = [
         (d["kind"], d["metadata"]["name"])
         for p in parents
         for d in rendered[p.resolve().relative_to(m.K8S.resolve()).as_posix()]
     ]
+    for component in spec.get("components", []):  # what a component adds can be patched here too
+        for resource in yaml.safe_load((here / component / "kustomization.yaml").read_text()).get("resources", []):
+            patchable += [(d["kind"], d["metadata"]["name"]) for d in m.load_docs(here / component / resource)]
     for patch in spec.get("patches", []):
         path = here / patch["path"]
         assert path.is_file(), f"{kustomization}: patch {patch['path']} missing"
@@ -85,6 +104,11 @@ def test_kustomization_references_exist_and_patches_hit(kustomization, rendered)
         else:
             for doc in m.load_docs(path):
                 assert (doc["kind"], doc["metadata"]["name"]) in patchable, f"{path}: patches nothing"
+
+
+def includes(kustomization) -> set:
+    spec = yaml.safe_load(kustomization.read_text())
+    return {(kustomization.parent / c).resolve() for c in spec.get("components", [])}
 
 
 @pytest.mark.parametrize("target", [*m.TARGETS, m.CPU_DEV_MONITORED])
@@ -120,7 +144,7 @@ def test_objects_embedded_in_the_rayservice_validate(target, rendered):
 def test_secrets_come_from_a_secret_by_reference(target, rendered):
     docs = rendered[target]
     assert not m.find(docs, "Secret"), "a Secret with its data is rendered; create it with kubectl instead"
-    env_names = {app_arg: m.app_args(docs)[app_arg] for app_arg in ("api_keys_env", "admin_token_env")}
+    env_names = {arg: m.app_args(docs)[arg] for arg in ("api_keys_env", "admin_token_env", "admin_tokens_env")}
     for node_type, group in m.groups(docs):
         env = {e["name"]: e for e in m.ray_container(group).get("env", [])}
         for arg, name in env_names.items():

@@ -13,23 +13,6 @@ SPEC_FIELDS = {"selector", "podMetricsEndpoints", "podTargetLabels", "namespaceS
 ENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels", "relabelings"}
 
 
-def selects(selector: dict, labels: dict[str, str]) -> bool:
-    """Kubernetes label-selector semantics (matchLabels and In/NotIn/Exists/DoesNotExist)."""
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expr in selector.get("matchExpressions", []):
-        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
-        ok = {
-            "In": key in labels and labels[key] in values,
-            "NotIn": labels.get(key) not in values,
-            "Exists": key in labels,
-            "DoesNotExist": key not in labels,
-        }[op]
-        if not ok:
-            return False
-    return True
-
-
 @pytest.fixture(params=m.MONITORED)
 def docs(request, rendered) -> list[dict]:
     return rendered[request.param]
@@ -54,7 +37,7 @@ def test_ray_metrics_from_every_ray_pod(docs):
     monitor = m.one(docs, "PodMonitor", "graphserve-ray")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     for node_type, group in m.groups(docs):
-        assert selects(monitor["spec"]["selector"], m.pod_labels(node_type, group)), f"{node_type} Pods not scraped"
+        assert m.selects(monitor["spec"]["selector"], m.pod_labels(node_type, group)), f"{node_type} Pods not scraped"
         assert m.named_port(m.ray_container(group), endpoint["port"]), f"{node_type}: no port {endpoint['port']}"
 
 
@@ -63,7 +46,7 @@ def test_app_metrics_once_per_cluster(docs):
     target, the head, whose proxy answers even before any replica is ready."""
     monitor = m.one(docs, "PodMonitor", "graphserve-app")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    scraped = [t for t, g in m.groups(docs) if selects(monitor["spec"]["selector"], m.pod_labels(t, g))]
+    scraped = [t for t, g in m.groups(docs) if m.selects(monitor["spec"]["selector"], m.pod_labels(t, g))]
     assert scraped == ["head"]
     port = m.named_port(m.ray_container(m.head(docs)), endpoint["port"])
     assert port == m.serve_config(docs)["http_options"]["port"]
@@ -75,7 +58,7 @@ def test_podmonitors_do_not_overlap(docs):
     seen = set()
     for monitor in m.find(docs, "PodMonitor"):
         for node_type, group in m.groups(docs):
-            if selects(monitor["spec"]["selector"], m.pod_labels(node_type, group)):
+            if m.selects(monitor["spec"]["selector"], m.pod_labels(node_type, group)):
                 for endpoint in monitor["spec"]["podMetricsEndpoints"]:
                     key = (node_type, group.get("groupName"), endpoint["port"], endpoint["path"])
                     assert key not in seen, f"{key} scraped twice"
