@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hmac
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 OPEN_TENANT = "default"
 
@@ -14,18 +18,54 @@ def bearer(authorization: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-def tenant_for(token: str | None, keys: dict[str, str]) -> str | None:
-    """The tenant owning this API key; every key is compared, so timing does not reveal which matched.
-    With no keys configured the API is open and everyone is tenant `default`."""
-    if not keys:
-        return OPEN_TENANT
+def _owner(token: str | None, owners: dict[str, str]) -> str | None:
+    """The owner of `token` in {secret: owner}; every secret is compared (constant time each, and
+    no early exit), so timing does not reveal which one matched, or how far a guess got."""
     found = None
     candidate = (token or "").encode()
-    for key, tenant in keys.items():
-        if hmac.compare_digest(candidate, key.encode()):
-            found = tenant
+    for secret, owner in owners.items():
+        if hmac.compare_digest(candidate, secret.encode()):
+            found = owner
     return found
 
 
-def admin_ok(token: str | None, admin_token: str) -> bool:
-    return hmac.compare_digest((token or "").encode(), admin_token.encode())
+def tenant_for(token: str | None, keys: dict[str, str]) -> str | None:
+    """The tenant owning this API key. With no keys configured the API is open and everyone is
+    tenant `default`."""
+    if not keys:
+        return OPEN_TENANT
+    return _owner(token, keys)
+
+
+def admin_operator(token: str | None, tokens: dict[str, str]) -> str | None:
+    """The name of the operator whose admin token this is ({token: name}), or None."""
+    return _owner(token, tokens) if token else None
+
+
+@dataclass(frozen=True)
+class AdminRefusal:
+    """Why an admin call is refused: the HTTP status, the client's message, the reason logged."""
+
+    status: int
+    detail: str
+    reason: str  # disabled | missing | wrong
+
+
+def authorize_admin(
+    authorization: str | None, tokens: dict[str, str], enable_hint: str, client: str, path: str
+) -> str | AdminRefusal:
+    """The operator an admin call comes from, or its refusal (401 without a bearer token, 403 with a
+    wrong one or with the admin API disabled). Refusals are logged with the client's address, the
+    path and the reason; never with the token or any part of it."""
+    if not tokens:
+        refusal = AdminRefusal(403, f"the admin API is disabled: {enable_hint}", "disabled")
+    else:
+        operator = admin_operator(bearer(authorization), tokens)
+        if operator is not None:
+            return operator
+        if bearer(authorization) is None:
+            refusal = AdminRefusal(401, "admin bearer token required", "missing")
+        else:
+            refusal = AdminRefusal(403, "wrong admin token", "wrong")
+    log.warning("admin call refused: reason=%s client=%s path=%r", refusal.reason, client, path)
+    return refusal

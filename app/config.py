@@ -1,17 +1,18 @@
 """The application's configuration: one pydantic model, filled from the `args` of a Serve config file
 (`config/graphserve.yaml`, also a serveConfigV2 for KubeRay) or from `serve run app:deployment k=v`.
 
-Secrets never live here: API keys and the admin token come from environment variables whose names
+Secrets never live here: API keys and admin tokens come from environment variables whose names
 this config holds.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from policies.graph_policy import GraphPolicy, load_policy
 
@@ -26,9 +27,28 @@ class AutoscalingConfig(BaseModel):
     the target sits below that to scale out before requests queue."""
 
     model_config = ConfigDict(extra="allow")
-    min_replicas: int = Field(1, ge=0)
+    min_replicas: int = 1
     max_replicas: int = Field(2, ge=1)
     target_ongoing_requests: float = Field(24, gt=0)
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        """Scale-to-zero cannot wake up here: with no replica READY the ingress answers 503 before it
+        routes anything (so Serve never sees the request that would scale up), and on Kubernetes the
+        readiness probe takes the pods out of the API Service."""
+        if value < 1:
+            raise ValueError(
+                "min_replicas must be >= 1: with no replica READY the ingress answers 503 before routing, "
+                "so Serve never sees a request to scale up from zero"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        return self
 
 
 class AppConfig(BaseModel):
@@ -44,6 +64,15 @@ class AppConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     shard_num_cpus: float = Field(1.0, gt=0)
     collective_timeout_s: float = Field(30.0, gt=0)  # every wait between shards is bounded by this
+    # The engine process: an answer slower than engine_timeout_s marks it wedged (killed, restarted);
+    # it is restarted in place at most engine_max_restarts times per engine_restart_window_s, then the
+    # replica fails its health check. Requests that have no token yet wait up to engine_start_timeout_s
+    # for the restart (load + capture), which also bounds every start.
+    engine_timeout_s: float = Field(20.0, gt=0)
+    engine_max_restarts: int = Field(3, ge=0)
+    engine_restart_window_s: float = Field(600.0, gt=0)
+    engine_start_timeout_s: float = Field(1800.0, gt=0)
+    controller_timeout_s: float = Field(5.0, gt=0)  # bound on each call to the controller actor
     cuda_graph_policy: GraphPolicy = GraphPolicy()
     # A YAML file with a `cuda_graph_policy:` section (on Kubernetes, a mounted ConfigMap); when set,
     # replicas read the policy from it when they start, in place of `cuda_graph_policy`.
@@ -55,7 +84,8 @@ class AppConfig(BaseModel):
     ingress_num_cpus: float = Field(0.5, gt=0)
     stream_interval_ms: float = Field(20.0, ge=0)  # coalesce a stream's tokens into items this far apart
     api_keys_env: str = "GRAPHSERVE_API_KEYS"
-    admin_token_env: str = "GRAPHSERVE_ADMIN_TOKEN"
+    admin_token_env: str = "GRAPHSERVE_ADMIN_TOKEN"  # one token, operator `admin`
+    admin_tokens_env: str = "GRAPHSERVE_ADMIN_TOKENS"  # named tokens, `alice:token-1,bob:token-2`
     controller_name: str = "graphserve-controller"
     controller_namespace: str = "graphserve"
     controller_state_path: str = str(Path.home() / ".cache" / "graphserve" / "controller-state.json")
@@ -89,5 +119,40 @@ def api_keys_from_env(config: AppConfig) -> dict[str, str]:
     return parse_api_keys(os.environ.get(config.api_keys_env))
 
 
-def admin_token_from_env(config: AppConfig) -> str | None:
-    return os.environ.get(config.admin_token_env) or None
+ADMIN_OPERATOR = "admin"  # the operator name of the single token in admin_token_env
+OPERATOR_NAME = re.compile(r"[A-Za-z0-9._@+-]+")
+
+
+def parse_admin_tokens(raw: str | None, single: str | None = None) -> dict[str, str]:
+    """`alice:token-1,bob:token-2` (plus `single`, the token of operator `admin`) -> {token: name}.
+    Malformed entries, a name or a token given twice, are refused naming positions only, never
+    content (it holds secrets). Names are letters, digits and `._@+-`: they go into logs and the
+    audit log."""
+    tokens: dict[str, str] = {single: ADMIN_OPERATOR} if single else {}
+    names: dict[str, int] = {ADMIN_OPERATOR: 0} if single else {}
+    for i, entry in enumerate(filter(None, (e.strip() for e in (raw or "").split(","))), start=1):
+        name, sep, token = entry.partition(":")
+        if not sep or not name or not token:
+            raise ValueError(f"admin token entry #{i} is not of the form name:token")
+        if not OPERATOR_NAME.fullmatch(name):
+            raise ValueError(f"admin token entry #{i}: a name may hold only letters, digits and ._@+-")
+        if name in names:
+            first = f"entry #{names[name]}" if names[name] else "the single admin token (operator admin)"
+            raise ValueError(f"admin token entry #{i} has the same name as {first}")
+        if token in tokens:
+            first = f"entry #{names[tokens[token]]}" if names[tokens[token]] else "the single admin token"
+            raise ValueError(f"admin token entry #{i} has the same token as {first}")
+        names[name], tokens[token] = i, name
+    return tokens
+
+
+def admin_tokens_from_env(config: AppConfig) -> dict[str, str]:
+    """Every operator's admin token, {token: operator name}: the named tokens of `admin_tokens_env`
+    and the single token of `admin_token_env` (operator `admin`). Empty: the admin API is off. A
+    token that is also a tenant's API key is refused: that tenant would be an operator."""
+    tokens = parse_admin_tokens(os.environ.get(config.admin_tokens_env), os.environ.get(config.admin_token_env) or None)
+    if tokens.keys() & api_keys_from_env(config).keys():
+        raise ValueError(
+            f"an admin token is also an API key in {config.api_keys_env}; give operators tokens of their own"
+        )
+    return tokens

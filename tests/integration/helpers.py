@@ -173,10 +173,12 @@ def running_app(
     admin_token: str | None = None,
     extra_env: dict[str, str] | None = None,
     wait_until_running: bool = True,
+    before_deploy: Callable[[dict[str, Any]], None] | None = None,
 ) -> Iterator[Server]:
     """Start Ray (one instance for the calling module) and Serve on a free port, run the app, yield
     a `Server`; tear everything down afterwards. With wait_until_running=False the call returns as
-    soon as the app is submitted (its replicas may still be starting)."""
+    soon as the app is submitted (its replicas may still be starting). before_deploy(app_args) runs
+    once Ray and Serve are up, before the app is deployed."""
     import ray
     from ray import serve
 
@@ -198,6 +200,7 @@ def running_app(
     }
     port = free_port()
     with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("GRAPHSERVE_ADMIN_TOKENS", raising=False)  # a developer's shell must not leak into a test
         for key, value in env.items():
             mp.setenv(key, value)
         if admin_token is None:
@@ -208,6 +211,8 @@ def running_app(
         server = None
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
+            if before_deploy is not None:
+                before_deploy(app_args)
             application = deployment(app_args)
             if wait_until_running:
                 serve.run(application, blocking=False, name=f"graphserve-{name}")

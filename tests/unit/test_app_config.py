@@ -1,5 +1,6 @@
 """The application config and the secret handling around it (pure Python; no Ray needed)."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ import yaml
 from pydantic import ValidationError
 
 from app import auth
-from app.config import AppConfig, parse_api_keys
+from app.config import AppConfig, admin_tokens_from_env, parse_admin_tokens, parse_api_keys
 from app.replica import fit_max_tokens
 from workers.sampling import InvalidRequest
 
@@ -45,13 +46,120 @@ def test_api_keys_parse_and_malformed_entries_never_echo_the_secret():
     assert "#2" in str(info.value) and "s3cr3t" not in str(info.value)
 
 
-def test_tenant_lookup_and_admin_token():
+def test_tenant_lookup_and_admin_operator():
     keys = {"key-a": "tenant-a", "key-b": "tenant-b"}
     assert auth.tenant_for("key-b", keys) == "tenant-b"
     assert auth.tenant_for("key-c", keys) is None and auth.tenant_for(None, keys) is None
     assert auth.tenant_for(None, {}) == auth.OPEN_TENANT  # no keys configured: open, tenant `default`
     assert auth.bearer("Bearer abc") == "abc" and auth.bearer("Basic abc") is None and auth.bearer(None) is None
-    assert auth.admin_ok("tok", "tok") and not auth.admin_ok("tok2", "tok") and not auth.admin_ok(None, "tok")
+    tokens = {"tok-1": "alice", "tok-2": "bob"}
+    assert auth.admin_operator("tok-2", tokens) == "bob" and auth.admin_operator("tok-1", tokens) == "alice"
+    assert auth.admin_operator("tok-", tokens) is None and auth.admin_operator("tok-22", tokens) is None
+    assert auth.admin_operator(None, tokens) is None and auth.admin_operator("", {"": "nobody"}) is None
+
+
+def test_every_admin_token_is_compared(monkeypatch):
+    """The match is found by comparing against every token in constant time, never stopping at the
+    first match, so timing tells nothing about which token (or how much of one) was right."""
+    compared = []
+    real = auth.hmac.compare_digest
+    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
+    tokens = {f"tok-{i}": f"op-{i}" for i in range(5)}
+    assert auth.admin_operator("tok-0", tokens) == "op-0"
+    assert sorted(compared) == sorted(t.encode() for t in tokens)
+
+
+def test_admin_tokens_parse():
+    assert parse_admin_tokens("alice:tok1, bob:tok:2") == {"tok1": "alice", "tok:2": "bob"}
+    assert parse_admin_tokens("alice:tok1", single="root-tok") == {"root-tok": "admin", "tok1": "alice"}
+    assert parse_admin_tokens(None, single="root-tok") == {"root-tok": "admin"}
+    assert parse_admin_tokens("", None) == {} and parse_admin_tokens(" , ") == {}
+
+
+@pytest.mark.parametrize(
+    ("raw", "single", "needle"),
+    [
+        ("alice:s3cr3t-1,s3cr3t-2", None, "entry #2 is not of the form name:token"),
+        ("alice:s3cr3t-1,:s3cr3t-2", None, "entry #2 is not of the form name:token"),
+        ("alice:", None, "entry #1 is not of the form name:token"),
+        ("al ice:s3cr3t-1", None, "entry #1: a name may hold only"),
+        ("alice:s3cr3t-1,bob:s3cr3t-2,alice:s3cr3t-3", None, "entry #3 has the same name as entry #1"),
+        ("alice:s3cr3t-1,bob:s3cr3t-1", None, "entry #2 has the same token as entry #1"),
+        ("admin:s3cr3t-1", "s3cr3t-0", "entry #1 has the same name as the single admin token"),
+        ("alice:s3cr3t-0", "s3cr3t-0", "entry #1 has the same token as the single admin token"),
+    ],
+    ids=["no-colon", "no-name", "no-token", "bad-name", "name-twice", "token-twice", "admin-twice", "single-twice"],
+)
+def test_malformed_admin_tokens_are_refused_by_position_never_content(raw, single, needle):
+    with pytest.raises(ValueError) as info:
+        parse_admin_tokens(raw, single)
+    assert needle in str(info.value)
+    assert "s3cr3t" not in str(info.value)
+
+
+def test_admin_tokens_from_the_environment(monkeypatch):
+    """Both variables, by the names the config gives; an admin token that is also a tenant's API
+    key is refused (that tenant would be an operator)."""
+    config = AppConfig.from_args({"admin_tokens_env": "OPS_TOKENS", "admin_token_env": "OPS_TOKEN"})
+    monkeypatch.setenv("OPS_TOKENS", "alice:tok1,bob:tok2")
+    monkeypatch.setenv("OPS_TOKEN", "tok0")
+    monkeypatch.setenv("GRAPHSERVE_ADMIN_TOKENS", "mallory:ignored")
+    assert admin_tokens_from_env(config) == {"tok0": "admin", "tok1": "alice", "tok2": "bob"}
+    monkeypatch.setenv("OPS_TOKEN", "")
+    assert admin_tokens_from_env(config) == {"tok1": "alice", "tok2": "bob"}
+    monkeypatch.delenv("OPS_TOKENS")
+    assert admin_tokens_from_env(config) == {}
+    monkeypatch.setenv("OPS_TOKENS", "alice:key-a")
+    monkeypatch.setenv("GRAPHSERVE_API_KEYS", "tenant-a:key-a")
+    with pytest.raises(ValueError, match="also an API key in GRAPHSERVE_API_KEYS") as info:
+        admin_tokens_from_env(config)
+    assert "key-a" not in str(info.value)
+
+
+SECRET = "s3cr3t-alice-token-0123456789"
+
+
+@pytest.mark.parametrize(
+    ("authorization", "tokens", "status", "reason"),
+    [
+        (None, {SECRET: "alice"}, 401, "missing"),
+        ("Basic " + SECRET, {SECRET: "alice"}, 401, "missing"),
+        ("Bearer " + SECRET[:-1], {SECRET: "alice"}, 403, "wrong"),
+        ("Bearer " + SECRET + "x", {SECRET: "alice"}, 403, "wrong"),
+        ("Bearer " + SECRET, {}, 403, "disabled"),
+    ],
+    ids=["none", "basic", "prefix", "longer", "disabled"],
+)
+def test_refused_admin_calls_are_logged_without_the_token(caplog, authorization, tokens, status, reason):
+    """A refusal says why to the client (4xx JSON detail) and logs client, path and reason; neither
+    carries the token or any part of it."""
+    with caplog.at_level(logging.WARNING, logger="app.auth"):
+        refusal = auth.authorize_admin(authorization, tokens, "set X to enable it", "10.1.2.3", "/admin/status")
+    assert isinstance(refusal, auth.AdminRefusal)
+    assert refusal.status == status and refusal.reason == reason and refusal.detail
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert f"reason={reason}" in message and "client=10.1.2.3" in message and "/admin/status" in message
+    for text in (message, refusal.detail):
+        assert not any(SECRET[i : i + 6] in text for i in range(len(SECRET) - 5)), text
+
+
+def test_an_accepted_admin_call_names_its_operator_and_logs_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger="app.auth"):
+        who = auth.authorize_admin("Bearer " + SECRET, {"other": "bob", SECRET: "alice"}, "", "10.1.2.3", "/admin")
+    assert who == "alice" and not caplog.records
+
+
+def test_min_replicas_zero_is_refused_with_the_reason():
+    """Scale-to-zero can never scale up again here (the ingress answers 503 before routing while no
+    replica is READY), so 0 is refused, naming the field and why."""
+    with pytest.raises(ValidationError) as info:
+        AppConfig.from_args({"autoscaling": {"min_replicas": 0}})
+    message = str(info.value)
+    assert "autoscaling.min_replicas" in message and "503" in message and "scale up" in message
+    with pytest.raises(ValidationError, match="must not exceed max_replicas"):
+        AppConfig.from_args({"autoscaling": {"min_replicas": 3, "max_replicas": 2}})
+    assert AppConfig.from_args({"autoscaling": {"min_replicas": 1, "max_replicas": 1}}).autoscaling.min_replicas == 1
 
 
 def test_max_tokens_follows_openai_rules():

@@ -1,0 +1,197 @@
+"""The controller's state file (no Ray: GraphController is a plain class until controller_handle
+wraps it): a bad file never stops the actor from starting, and a toggle is persisted before it is
+applied, so a failed write changes nothing and a retried call audits nothing twice."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from app import controller as controller_module
+from app.controller import GraphController
+
+INITIAL = {"tenant-a": True, "tenant-b": False}
+
+
+def snapshot(c: GraphController) -> tuple:
+    return dict(c.toggles), [dict(a) for a in c.audit], c.version
+
+
+def files(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def test_state_survives_a_restart(tmp_path):
+    """What one controller sets, the next one (a restart) reads back, over the config's toggles."""
+    path = tmp_path / "state.json"
+    first = GraphController(str(path), INITIAL)
+    result = first.set_toggle("tenant-a", False, "alice", "10.0.0.1")
+    assert result["cuda_graph"] is False and result["updated_by"] == "alice"
+    second = GraphController(str(path), INITIAL)
+    assert snapshot(second) == snapshot(first)
+    assert second.toggles == {"tenant-a": False, "tenant-b": False}
+    assert second.audit[-1] | {"time": 0} == {"time": 0, "actor": "alice", "client": "10.0.0.1", "tenant": "tenant-a",
+                                             "action": "set_cuda_graph", "before": True, "after": False}  # fmt: skip
+    assert files(tmp_path) == {"state.json"}
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ('{"toggles": {"tenant-a": fal', "not valid JSON"),
+        ("", "not valid JSON"),
+        ("[" * 100_000, "not valid JSON"),
+        ("[]", "not a state file"),
+        ('"toggles"', "not a state file"),
+        ('{"audit": [], "version": 3}', "toggles"),
+        ('{"toggles": {"tenant-a": "no"}, "audit": [], "version": 1}', "toggles.tenant-a"),
+        ('{"toggles": {}, "audit": [{"tenant": "tenant-a"}], "version": 1}', "audit.0"),
+        ('{"toggles": {}, "audit": {}, "version": 1}', "audit"),
+        ('{"toggles": {}, "audit": [], "version": -1}', "version"),
+        ('{"toggles": {}, "audit": [], "version": "7"}', "version"),
+    ],
+    ids=[
+        "truncated",
+        "empty",
+        "nested-too-deep",
+        "array",
+        "string",
+        "no-toggles",
+        "toggle-not-bool",
+        "audit-entry-incomplete",
+        "audit-not-list",
+        "version-negative",
+        "version-string",
+    ],  # fmt: skip
+)
+def test_a_bad_state_file_is_kept_aside_and_the_config_used(tmp_path, caplog, content, reason):
+    """Corrupt JSON or JSON of the wrong shape: the actor starts from the config's toggles (it must
+    not crash: with unlimited restarts that is a crash loop), the file is renamed aside with its
+    content intact, and the log says why."""
+    path = tmp_path / "state.json"
+    path.write_text(content)
+    with caplog.at_level(logging.ERROR, logger="app.controller"):
+        c = GraphController(str(path), INITIAL)
+    assert snapshot(c) == (INITIAL, [], 0)
+    (aside,) = files(tmp_path)
+    assert aside.startswith("state.json.corrupt-")
+    assert (tmp_path / aside).read_text() == content
+    (record,) = caplog.records
+    assert reason in record.getMessage() and aside in record.getMessage()
+    # and it works from there: the next write creates a fresh state file
+    assert c.set_toggle("tenant-b", True, "bob")["cuda_graph"] is True
+    assert GraphController(str(path), {}).toggles == {"tenant-a": True, "tenant-b": True}
+
+
+def test_a_bad_state_file_that_cannot_be_moved_still_does_not_stop_the_start(tmp_path, caplog, monkeypatch):
+    path = tmp_path / "state.json"
+    path.write_text("{")
+
+    def refuse(self, target):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "rename", refuse)
+    with caplog.at_level(logging.ERROR, logger="app.controller"):
+        c = GraphController(str(path), INITIAL)
+    assert snapshot(c) == (INITIAL, [], 0)
+    assert "could not be renamed aside" in caplog.text
+
+
+def test_a_failed_write_changes_nothing(tmp_path, monkeypatch):
+    """os.replace fails (disk full, storage gone): the caller gets an error, memory, version, audit
+    and the file on disk are as before, and no temp file is left behind."""
+    path = tmp_path / "state.json"
+    c = GraphController(str(path), INITIAL)
+    c.set_toggle("tenant-a", False, "alice")
+    before, on_disk = snapshot(c), path.read_text()
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(controller_module.os, "replace", full)
+    result = c.set_toggle("tenant-a", True, "bob")
+    assert set(result) == {"error"} and "No space left on device" in result["error"]
+    assert snapshot(c) == before
+    assert c.get_toggles(before[2]) == (before[2], None)  # replicas see no new version
+    assert path.read_text() == on_disk
+    assert files(tmp_path) == {"state.json"}
+
+    monkeypatch.undo()  # the storage is back: the same call now goes through
+    assert c.set_toggle("tenant-a", True, "bob")["cuda_graph"] is True
+    assert c.version == before[2] + 1 and len(c.audit) == 2
+
+
+def test_a_state_directory_that_cannot_exist_changes_nothing(tmp_path):
+    """The state path lies under a regular file (refused even to root): an error, nothing changed."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    c = GraphController(str(blocker / "state.json"), INITIAL)
+    result = c.set_toggle("tenant-a", False, "alice")
+    assert "error" in result and "not-a-directory" in result["error"]
+    assert snapshot(c) == (INITIAL, [], 0)
+    assert files(tmp_path) == {"not-a-directory"}
+
+
+def test_a_failing_json_dump_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A failure while the temp file is being written (here: fsync) removes it too."""
+    path = tmp_path / "state.json"
+    c = GraphController(str(path), INITIAL)
+
+    def broken(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(controller_module.os, "fsync", broken)
+    assert "Input/output error" in c.set_toggle("tenant-a", False, "alice")["error"]
+    assert snapshot(c) == (INITIAL, [], 0)
+    assert files(tmp_path) == set()
+
+
+def test_a_set_that_changes_nothing_is_not_audited(tmp_path):
+    """Setting the value a tenant already has returns the current state: no audit entry, no new
+    version. So a call Ray retries (max_task_retries=-1) after the actor restarted, when the first
+    attempt had already been persisted, is not audited twice."""
+    path = tmp_path / "state.json"
+    c = GraphController(str(path), INITIAL)
+    first = c.set_toggle("tenant-a", False, "alice")
+    assert c.set_toggle("tenant-a", False, "alice") == first
+    assert c.set_toggle("tenant-b", False, "bob")["updated_by"] is None  # off in the config already
+    assert c.version == 1 and len(c.audit) == 1
+
+    restarted = GraphController(str(path), INITIAL)  # the retry lands on the restarted actor
+    assert restarted.set_toggle("tenant-a", False, "alice") == first
+    assert restarted.version == 1 and len(restarted.audit) == 1
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_the_audit_log_is_bounded_in_memory_and_on_disk(tmp_path, monkeypatch):
+    """Only the last AUDIT_KEEP entries are kept (here 4, to keep the test fast), in both places."""
+    monkeypatch.setattr(controller_module, "AUDIT_KEEP", 4)
+    path = tmp_path / "state.json"
+    c = GraphController(str(path), {})
+    for i in range(9):
+        c.set_toggle("tenant-a", i % 2 == 1, "alice")
+    assert len(c.audit) == 4 == len(json.loads(path.read_text())["audit"])
+    assert [a["after"] for a in c.audit] == [True, False, True, False]  # the last four changes
+    assert c.version == 9
+
+
+def test_the_state_file_is_replaced_atomically(tmp_path, monkeypatch):
+    """The new state reaches the path only through one os.replace of a complete, fsynced temp file
+    from the same directory (a rename within one file system is atomic)."""
+    path = tmp_path / "state.json"
+    c = GraphController(str(path), INITIAL)
+    replaced = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        assert Path(src).parent == tmp_path and json.loads(Path(src).read_text())["toggles"]["tenant-a"] is False
+        replaced.append(Path(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(controller_module.os, "replace", spy)
+    c.set_toggle("tenant-a", False, "alice")
+    assert replaced == [path]
