@@ -3,23 +3,27 @@ metrics. Stateless: tenant toggles live in the controller, engines in the replic
 
 import asyncio
 import json
+import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
+from pydantic_core import from_json
 from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app import auth
-from app.config import AppConfig, admin_token_from_env, api_keys_from_env
-from app.controller import ControllerClient
+from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env
+from app.controller import ControllerClient, ControllerUnavailable
 from app.metrics import render
-from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_response
+from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
 from workers.default_model import TINY_NAME
 
+log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
 RETRY_AFTER = {"Retry-After": "5"}
 
@@ -29,6 +33,16 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     if request.url.path.startswith("/v1"):
         return error_response(exc.status_code, str(exc.detail))
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+
+
+@api.exception_handler(ControllerUnavailable)
+async def _controller_unavailable(request: Request, exc: ControllerUnavailable) -> JSONResponse:
+    """The controller is restarting or unreachable: a 503 to retry, in the API's own format."""
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    if request.url.path.startswith("/v1"):
+        return error_response(503, "the graph controller is unavailable; retry shortly", headers=RETRY_AFTER)
+    return JSONResponse({"detail": "the graph controller is unavailable; retry shortly"}, status_code=503,
+                        headers=RETRY_AFTER)  # fmt: skip
 
 
 class ToggleBody(BaseModel):
@@ -43,10 +57,18 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 
 
 async def _json_body(request: Request) -> dict | JSONResponse:
+    """The body as a JSON object, parsed strictly (unlike json.loads): a lone UTF-16 surrogate escape,
+    NaN, Infinity, a number out of range and nesting past the parser's limit are all invalid JSON."""
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-        return error_response(400, f"request body is not valid JSON: {e.msg if hasattr(e, 'msg') else e}")
+        body = from_json(raw, allow_inf_nan=False)
+    except ValueError as e:
+        reason = str(e)
+        if "surrogate" in reason or "hex escape" in reason:
+            reason = f"a lone UTF-16 surrogate escape (\\ud800-\\udfff outside a pair), {reason}"
+        elif re.search(rb"NaN|Infinity", raw):
+            reason += " (NaN and Infinity are not JSON numbers)"
+        return error_response(400, f"request body is not valid JSON: {reason}")
     if not isinstance(body, dict):
         return error_response(400, "request body must be a JSON object")
     return body
@@ -56,13 +78,39 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
 
+_REPLICA_GONE = {"error": "the replica serving this request failed; retry the request", "status": 503}
+
+
+async def _items(items) -> AsyncIterator[dict]:
+    """The replica's items; a replica that fails or vanishes mid-request (a RayActorError, a lost
+    connection) ends them with an error item instead of an exception, so no client sees a 500 or a
+    cut connection for it."""
+    try:
+        async for item in items:
+            yield item
+    except Exception:
+        log.exception("the replica's stream failed")
+        yield _REPLICA_GONE
+
+
+async def _chain_items(first: dict, items) -> AsyncIterator[dict]:
+    """The first item, then the rest; leaving early (a client that went away) cancels the request
+    in the engine."""
+    try:
+        yield first
+        async for item in _items(items):
+            yield item
+    finally:
+        items.cancel()
+
+
 @serve.ingress(api)
 class Ingress:
     def __init__(self, llm, args: dict) -> None:
         self.config = AppConfig.from_args(args)
         self.llm = llm.options(stream=True)
         self.keys = api_keys_from_env(self.config)
-        self.admin_token = admin_token_from_env(self.config)
+        self.admin_tokens = admin_tokens_from_env(self.config)
         self.controller = ControllerClient(self.config)
         self.model_name = self.config.served_model_name or (
             Path(self.config.model).name if self.config.model else TINY_NAME
@@ -115,9 +163,10 @@ class Ingress:
         else:
             payload["prompt"] = req.prompt
         items = self.llm.generate.remote(payload)
-        first = await items.__anext__()
-        if "error" in first:
+        first = await anext(_items(items), None)
+        if first is None or "error" in first:
             items.cancel()
+            first = first or _REPLICA_GONE
             return error_response(
                 first["status"], first["error"], headers=RETRY_AFTER if first["status"] == 503 else None
             )
@@ -125,24 +174,17 @@ class Ingress:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream")
-        return JSONResponse(await self._collect(shape, first, items))
-
-    @staticmethod
-    async def _items(first: dict, items) -> AsyncIterator[dict]:
-        """The replica's items, first included; leaving early (a client that went away) cancels the
-        request in the engine."""
-        try:
-            yield first
-            async for item in items:
-                yield item
-        finally:
-            items.cancel()
+        return await self._collect(shape, first, items)
 
     async def _stream(self, shape: ResponseShape, first: dict, items, include_usage: bool) -> AsyncIterator[bytes]:
         """SSE events, one write per item; the final chunk, the usage and [DONE] leave in one write
-        (every write is an item through the proxy, and at high concurrency streams end together)."""
+        (every write is an item through the proxy, and at high concurrency streams end together).
+        A stream the server cannot finish ends with an error event in OpenAI's shape, then [DONE]."""
         last, tail = first, b""
-        async for item in self._items(first, items):
+        async for item in _chain_items(first, items):
+            if "error" in item:
+                yield _sse(error_body(item["status"], item["error"])) + _sse("[DONE]")
+                return
             last = item
             if item["text"] or item is first or item["finish_reason"] is not None:
                 event = _sse(shape.chunk(item["text"], item["finish_reason"], first=item is first))
@@ -150,28 +192,38 @@ class Ingress:
                     yield event
                 else:
                     tail = event
+        if last["finish_reason"] is None:  # the replica's stream stopped short of its end
+            yield _sse(error_body(_REPLICA_GONE["status"], _REPLICA_GONE["error"])) + _sse("[DONE]")
+            return
         if include_usage:
             tail += _sse(shape.usage_chunk(last["prompt_tokens"], last["completion_tokens"]))
         yield tail + _sse("[DONE]")
 
-    async def _collect(self, shape: ResponseShape, first: dict, items) -> dict:
+    async def _collect(self, shape: ResponseShape, first: dict, items) -> Response:
+        """The whole completion, or a 503 with Retry-After when the server could not finish it."""
         text, last = "", first
-        async for item in self._items(first, items):
+        async for item in _chain_items(first, items):
+            if "error" in item:
+                return error_response(item["status"], item["error"], headers=RETRY_AFTER)
             text += item["text"]
             last = item
-        return shape.whole(text, last["finish_reason"], last["prompt_tokens"], last["completion_tokens"])
+        if last["finish_reason"] is None:
+            return error_response(_REPLICA_GONE["status"], _REPLICA_GONE["error"], headers=RETRY_AFTER)
+        return JSONResponse(shape.whole(text, last["finish_reason"], last["prompt_tokens"], last["completion_tokens"]))
 
     # -- admin API ---------------------------------------------------------------------------------
 
     def _admin_denied(self, request: Request) -> JSONResponse | None:
-        if self.admin_token is None:
-            return JSONResponse({"detail": f"the admin API is disabled: set {self.config.admin_token_env} "
-                                           "on the Serve processes to enable it"}, status_code=403)  # fmt: skip
-        token = auth.bearer(request.headers.get("authorization"))
-        if token is None:
-            return JSONResponse({"detail": "admin bearer token required"}, status_code=401)
-        if not auth.admin_ok(token, self.admin_token):
-            return JSONResponse({"detail": "wrong admin token"}, status_code=403)
+        """None when the bearer token is an operator's (whose name is then request.state.operator),
+        else the 4xx refusal (logged by auth.authorize_admin, without the token)."""
+        env = f"{self.config.admin_tokens_env} or {self.config.admin_token_env}"
+        client = request.client.host if request.client else "unknown"
+        result = auth.authorize_admin(request.headers.get("authorization"), self.admin_tokens,
+                                      f"set {env} on the Serve processes to enable it", client,
+                                      request.url.path)  # fmt: skip
+        if isinstance(result, auth.AdminRefusal):
+            return JSONResponse({"detail": result.detail}, status_code=result.status)
+        request.state.operator = result
         return None
 
     def _unknown_tenant(self, tenant: str) -> JSONResponse | None:
@@ -196,9 +248,11 @@ class Ingress:
             toggle = ToggleBody.model_validate(body)
         except ValidationError as e:
             return JSONResponse({"detail": _validation_message(e)[0]}, status_code=400)
-        actor = request.headers.get("x-graphserve-operator") or "admin"
+        # The audit names the operator whose token this is; no header the caller chooses is trusted.
         client = request.client.host if request.client else "unknown"
-        result = await self.controller.call("set_toggle", tenant, toggle.cuda_graph, f"{actor}@{client}")
+        result = await self.controller.call("set_toggle", tenant, toggle.cuda_graph, request.state.operator, client)
+        if "error" in result:
+            return JSONResponse({"detail": result["error"]}, status_code=409)
         return JSONResponse(result)
 
     @api.get("/admin/status")

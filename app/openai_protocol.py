@@ -1,51 +1,81 @@
 """The OpenAI-compatible request schemas, error bodies and response shapes.
 
 Requests are validated strictly: unknown fields and values we cannot honour (n > 1, logprobs, ...)
-are a 400 naming the field, never silently ignored.
+are a 400 naming the field, never silently ignored, and every field takes only its own JSON type (no
+"1.5" for a number, no true for 1, no number for a string).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
+
+STOP_MAX_CHARS = 512  # the longest stop string accepted (characters); the README's API section says so
+STRICT = ConfigDict(extra="forbid", strict=True)  # strict: no lax coercion ("1.5" -> 1.5, true -> 1)
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error JSON (also the last event of a stream that failed)."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 405: "invalid_request_error",
             503: "service_unavailable"}.get(status, "server_error")  # fmt: skip
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _json_type(expected: str, *types: type) -> BeforeValidator:
+    """Checks the JSON type before a Literal's equality test, which lets true pass for 1 and 0 for false."""
+
+    def check(value: Any) -> Any:
+        if type(value) not in types:
+            raise PydanticCustomError("json_type", "Input should be {expected}", {"expected": expected})
+        return value
+
+    return BeforeValidator(check)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: StrictBool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
-    model: str
+    model: StrictStr
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # strict floats take ints too
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt = Field(0, ge=0)
     seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    user: str | None = None
+    n: Annotated[Literal[1], _json_type("an integer", int)] = 1
+    user: StrictStr | None = None
     ignore_eos: StrictBool = False  # vLLM-compatible extension (benchmarks): generate max_tokens regardless
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: Annotated[Literal[0, 0.0], _json_type("a number", int, float)] = 0.0
+    frequency_penalty: Annotated[Literal[0, 0.0], _json_type("a number", int, float)] = 0.0
 
     @field_validator("stop")
     @classmethod
@@ -53,6 +83,8 @@ class SamplingFields(BaseModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
+        if any(len(s) > STOP_MAX_CHARS for s in stops):
+            raise ValueError(f"a stop string may be at most {STOP_MAX_CHARS} characters long")
         return stops
 
     def sampling(self) -> dict[str, Any]:
@@ -64,8 +96,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[StrictInt]
-    echo: Literal[False] = False
+    prompt: StrictStr | list[StrictInt]
+    echo: Annotated[Literal[False], _json_type("a boolean", bool)] = False
     logprobs: None = None
 
     @field_validator("prompt")
@@ -77,16 +109,16 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
+    content: StrictStr
+    name: StrictStr | None = None
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None
+    logprobs: Annotated[Literal[False] | None, _json_type("a boolean or null", bool, type(None))] = None
 
     def sampling(self) -> dict[str, Any]:
         fields = super().sampling()

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import torch
+from jinja2 import TemplateError
 from ray import serve
 
 from app.config import AppConfig
@@ -24,7 +26,8 @@ from app.controller import ControllerClient
 from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
-from workers.async_engine import EngineDeadError, StreamEvent
+from policies.restarts import RestartBudget
+from workers.async_engine import EngineDeadError, RequestFailed, StreamEvent
 from workers.engine import EngineConfig
 from workers.sampling import InvalidRequest, SamplingParams
 from workers.scheduler import QueueFull
@@ -46,15 +49,24 @@ def engine_config(config: AppConfig) -> EngineConfig:
 
 
 def tokenize(tokenizer, request: dict) -> list[int]:
-    if request["kind"] == "chat":
-        if not tokenizer.chat_template:
-            raise InvalidRequest("this model has no chat template; use /v1/completions")
-        ids = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    prompt = request["prompt"]
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    return list(prompt)
+    """The prompt's token ids. What the tokenizer or the chat template refuses (text that is not valid
+    Unicode, a template's raise_exception, ...) is the client's error: InvalidRequest, a 400."""
+    chat = request["kind"] == "chat"
+    if chat and not tokenizer.chat_template:
+        raise InvalidRequest("this model has no chat template; use /v1/completions")
+    try:
+        if chat:
+            ids = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        prompt = request["prompt"]
+        return tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+    except TemplateError as e:
+        raise InvalidRequest(f"the model's chat template refused these messages: {e}") from e
+    except (TypeError, ValueError) as e:
+        texts = [v for m in request["messages"] for v in m.values()] if chat else [request["prompt"]]
+        if any(isinstance(t, str) and re.search("[\ud800-\udfff]", t) for t in texts):
+            raise InvalidRequest("the prompt holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text") from e
+        raise InvalidRequest(f"the prompt could not be tokenized: {e}") from e
 
 
 class LLMReplica:
@@ -65,8 +77,10 @@ class LLMReplica:
         self.state = "STARTING"  # until the engine exists; then the engine's own state
         self.metrics = RequestMetrics()
         self.tenant_of: dict[str, str] = {}
-        self.disabled: set[str] = set()
+        # The config's toggles until the controller answers: an unreachable controller delays no start.
+        self.disabled = {tenant for tenant, on in self.config.initial_toggles().items() if not on}
         self.toggle_version = -1
+        self._controller_down = False
         self.controller.notify("report", self.replica_id, self.status())
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
@@ -74,15 +88,15 @@ class LLMReplica:
         await self.engine.start()
         self.tokenizer = self.engine.tokenizer
         self.engine_status = await self.engine.status()
-        await self._sync_toggles()
+        await self._sync_toggles_logged()
         self._background = asyncio.create_task(self._poll())
-        await self.controller.call("report", self.replica_id, self.status())
+        self.controller.notify("report", self.replica_id, self.status())
         log.info("replica %s: %s", self.replica_id, self.engine_status["state"])
 
     def status(self) -> dict:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
         if hasattr(self, "engine_status"):
-            status.update(self.engine_status)
+            status.update(self.engine_status, engine_restarts=self.engine.restarts)
         return status
 
     async def _sync_toggles(self) -> None:
@@ -97,24 +111,42 @@ class LLMReplica:
             if tenant in changed:
                 self.engine.set_graph_denial(request_id, self._denial(tenant))
 
+    async def _sync_toggles_logged(self) -> None:
+        """Sync, logging an unreachable controller once per outage (the last toggles stay)."""
+        try:
+            await self._sync_toggles()
+        except Exception as e:
+            if not self._controller_down:
+                log.warning("replica %s: controller unreachable (%r); keeping the last tenant toggles until it "
+                            "answers", self.replica_id, e)  # fmt: skip
+            self._controller_down = True
+            return
+        if self._controller_down:
+            log.info("replica %s: controller reachable again; tenant toggles synced", self.replica_id)
+        self._controller_down = False
+
     def _denial(self, tenant: str) -> FallbackReason | None:
         return FallbackReason.TENANT_DISABLED if tenant in self.disabled else None
+
+    async def _refresh_status(self) -> None:
+        """The engine's status; while it restarts in place the replica reads STARTING, once it is
+        down for good FAILED (a change of state is logged with its cause)."""
+        try:
+            self.engine_status = await self.engine.status()
+        except Exception as e:
+            state = EngineState.FAILED.value if self.engine.failure else "STARTING"
+            if self.engine_status["state"] != state:
+                log.error("replica %s: engine %s: %r", self.replica_id, state, self.engine.failure or e)
+            self.engine_status = {**self.engine_status, "state": state}
 
     async def _poll(self) -> None:
         last_report = 0.0
         while True:
-            try:
-                await self._sync_toggles()
-                if time.monotonic() - last_report >= STATUS_EVERY_S:
-                    try:
-                        await self.engine.check()
-                        self.engine_status = await self.engine.status()
-                    except Exception:
-                        self.engine_status["state"] = EngineState.FAILED.value
-                    self.controller.notify("report", self.replica_id, self.status())
-                    last_report = time.monotonic()
-            except Exception:  # the controller may be restarting; keep the last toggles meanwhile
-                log.warning("controller unreachable; keeping the last tenant toggles", exc_info=True)
+            await self._sync_toggles_logged()
+            if time.monotonic() - last_report >= STATUS_EVERY_S:
+                await self._refresh_status()
+                self.controller.notify("report", self.replica_id, self.status())
+                last_report = time.monotonic()
             await asyncio.sleep(self.config.toggle_poll_s)
 
     async def check_health(self) -> None:
@@ -122,47 +154,77 @@ class LLMReplica:
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Items: {"error", "status"} alone, or {"text", "finish_reason", "prompt_tokens",
-        "completion_tokens"} chunks. The first item is sent as soon as it exists."""
+        "completion_tokens"} chunks, possibly ended by an {"error", "status"} item when the engine
+        failed mid-stream. The first item is sent as soon as it exists."""
         tenant = request["tenant"]
         request_id = uuid.uuid4().hex
         start = time.monotonic()
+        outcome, stream = "cancelled", None  # cancelled unless it ends otherwise (its client left)
+        self.tenant_of[request_id] = tenant
         try:
-            prompt_ids = tokenize(self.tokenizer, request)
-            sampling = dict(request["sampling"])
-            sampling["max_tokens"] = fit_max_tokens(
-                request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status["max_model_len"]
-            )
-            params = SamplingParams(**sampling)
-            self.tenant_of[request_id] = tenant
-            interval_s = self.config.stream_interval_ms / 1e3
-            stream = aiter(self.engine.submit(prompt_ids, params, request_id, self._denial(tenant), interval_s))
-            first = await anext(stream)
-        except InvalidRequest as e:
-            self.tenant_of.pop(request_id, None)
-            self.metrics.count(tenant, "invalid")
-            yield {"error": str(e), "status": 400}
-            return
-        except (QueueFull, EngineDeadError) as e:
-            self.tenant_of.pop(request_id, None)
-            self.metrics.count(tenant, "unavailable")
-            yield {"error": str(e), "status": 503}
-            return
-        first_at, outcome = None, "cancelled"
-        try:
-            async for event in _chain(first, stream):
-                now = time.monotonic()
-                if first_at is None and event.completion_tokens:
-                    first_at = now
-                    self.metrics.ttft.observe(now - start)
-                yield {"text": event.text, "finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
-                       "completion_tokens": event.completion_tokens}  # fmt: skip
-                if event.finish_reason is not None:
-                    outcome = "ok"
-                    if first_at is not None and event.completion_tokens > 1:
-                        self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
+            try:
+                prompt_ids = tokenize(self.tokenizer, request)
+                sampling = dict(request["sampling"])
+                sampling["max_tokens"] = fit_max_tokens(
+                    request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status["max_model_len"]
+                )
+                first, stream = await self._first_event(prompt_ids, SamplingParams(**sampling), request_id, tenant)
+            except InvalidRequest as e:
+                outcome = "invalid"
+                yield {"error": str(e), "status": 400}
+                return
+            except (QueueFull, EngineDeadError) as e:
+                outcome = "unavailable"
+                yield {"error": str(e), "status": 503}
+                return
+            except RequestFailed as e:
+                outcome = "error"
+                log.error("replica %s: request %s failed in the engine: %s", self.replica_id, request_id, e)
+                yield {"error": "the engine failed to run this request", "status": 500}
+                return
+            first_at = None
+            try:
+                async for event in _chain(first, stream):
+                    now = time.monotonic()
+                    if first_at is None and event.completion_tokens:
+                        first_at = now
+                        self.metrics.ttft.observe(now - start)
+                    yield {
+                        "text": event.text,
+                        "finish_reason": event.finish_reason,
+                        "prompt_tokens": event.prompt_tokens,
+                        "completion_tokens": event.completion_tokens,
+                    }
+                    if event.finish_reason is not None:
+                        outcome = "ok"
+                        if first_at is not None and event.completion_tokens > 1:
+                            self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
+            except (EngineDeadError, RequestFailed) as e:
+                outcome = "engine_failed"
+                log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)
+                yield {"error": "the engine failed while generating this completion; retry the request",
+                       "status": 503}  # fmt: skip
         finally:
             self.tenant_of.pop(request_id, None)
             self.metrics.count(tenant, outcome)
+            if stream is not None:
+                await stream.aclose()  # a request left early (its client went away) is cancelled now
+
+    async def _first_event(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str
+    ) -> tuple[StreamEvent, AsyncIterator[StreamEvent]]:
+        """Submit and wait for the first event. An engine that dies before it costs the request
+        nothing: it waits for the engine's restart in place and is submitted again."""
+        interval_s = self.config.stream_interval_ms / 1e3
+        for _ in range(self.config.engine_max_restarts + 1):
+            try:
+                stream = aiter(self.engine.submit(prompt_ids, params, request_id, self._denial(tenant), interval_s))
+                return await anext(stream), stream
+            except EngineDeadError as e:
+                log.warning("replica %s: request %s waits for the engine (%s)", self.replica_id, request_id, e)
+                if not await self.engine.wait_ready(self.config.engine_start_timeout_s):
+                    raise
+        raise EngineDeadError("the engine kept failing before this request's first token")
 
 
 async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
@@ -191,7 +253,8 @@ def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_mod
 def make_engine(config: AppConfig) -> LocalEngine | ShardGroup:
     """In-process for tensor_parallel_size 1; otherwise one shard actor per GPU."""
     if config.tensor_parallel_size == 1:
-        return LocalEngine(engine_config(config))
+        budget = RestartBudget(config.engine_max_restarts, config.engine_restart_window_s)
+        return LocalEngine(engine_config(config), budget, config.engine_timeout_s, config.engine_start_timeout_s)
     gpu = config.accelerator == "gpu" or (config.accelerator == "auto" and torch.cuda.is_available())
     return ShardGroup(engine_config(config), config.tensor_parallel_size, num_gpus=1 if gpu else 0,
                       num_cpus=config.shard_num_cpus, timeout_s=config.collective_timeout_s)  # fmt: skip

@@ -9,7 +9,10 @@ makes `check()` fail, so Serve's health check replaces the whole replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -17,7 +20,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from policies.dispatch import FallbackReason
-from workers.async_engine import StreamEvent
+from policies.restarts import RestartBudget
+from workers.async_engine import EngineDeadError, StreamEvent
 from workers.checkpoint import load_tokenizer
 from workers.default_model import default_model_dir
 from workers.engine import EngineConfig
@@ -25,19 +29,39 @@ from workers.engine_process import EngineProcess
 from workers.sampling import SamplingParams
 from workers.shard import ShardWorker
 
+log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0
 
 
 class LocalEngine:
     """tensor_parallel_size 1: no actors; the step loop runs in a child process of the replica
-    (`workers/engine_process.py` says why not in a thread)."""
+    (`workers/engine_process.py` says why not in a thread).
 
-    def __init__(self, config: EngineConfig) -> None:
+    A child that dies, or does not answer within timeout_s (then it is killed), is started again in
+    place while the restart budget allows; requests wait for it in `wait_ready`. Once the budget is
+    spent the engine is down for good and `check()` fails, so Serve replaces the replica."""
+
+    def __init__(self, config: EngineConfig, budget: RestartBudget, timeout_s: float, start_timeout_s: float) -> None:
+        self.config = config
+        self.budget = budget
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
         self.tokenizer = load_tokenizer(config.model or default_model_dir())
-        self.runner = EngineProcess(config, self.tokenizer)
+        self.restarts = 0
+        self.failure: str | None = None  # why the engine is down for good
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._restarting: asyncio.Task | None = None
+        self.runner = self._spawn()
+
+    def _spawn(self) -> EngineProcess:
+        return EngineProcess(self.config, self.tokenizer, self._exited, self.start_timeout_s)
 
     async def start(self) -> None:
-        return None
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def restarting(self) -> bool:
+        return self._restarting is not None and not self._restarting.done()
 
     def submit(self, prompt_ids, params, request_id, graph_denial, interval_s) -> AsyncIterator[StreamEvent]:
         return self.runner.submit(prompt_ids, params, request_id, graph_denial, interval_s)
@@ -46,11 +70,76 @@ class LocalEngine:
         self.runner.set_graph_denial(request_id, reason)
 
     async def status(self) -> dict:
-        return await self.runner.status()
+        """The child's status within timeout_s; a child that does not answer in time is killed (and
+        restarted like a dead one), and a dead one is restarted; both raise EngineDeadError."""
+        try:
+            return await self.runner.status(self.timeout_s)
+        except TimeoutError:
+            log.error("engine process (pid %d) did not answer within %g s; killing it", self.runner.pid, self.timeout_s)
+            self.runner.kill()
+            raise EngineDeadError(f"the engine process did not answer within {self.timeout_s:g} s") from None
+        except EngineDeadError:
+            self._restart_soon(self.runner.error)
+            raise
 
     async def check(self) -> None:
+        """Passes while the engine answers or is being restarted; fails when it is down for good or
+        did not answer in time."""
+        if self.failure is None and not self.restarting:
+            try:
+                await self.status()
+            except EngineDeadError:
+                if not self.restarting:  # a wedged child, killed just now, fails this check
+                    raise
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (at most timeout_s) for a restart under way; whether a live engine is there now."""
         if not self.runner.alive:
-            raise RuntimeError(f"engine loop stopped: {self.runner.error!r}")
+            self._restart_soon(self.runner.error)
+        if self.restarting:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._restarting), timeout_s)
+        return self.runner.alive
+
+    def _exited(self, error: BaseException) -> None:
+        """From the reader thread of a child that stopped unasked: restart it on the event loop."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the replica is going away
+                self._loop.call_soon_threadsafe(self._restart_soon, error)
+
+    def _restart_soon(self, error: BaseException | None) -> None:
+        if self.restarting or self.failure is not None or self.runner.alive:
+            return
+        if self._take_restart(error):
+            self._restarting = asyncio.ensure_future(self._restart(error))
+
+    def _take_restart(self, error: BaseException | None) -> bool:
+        if self.budget.take(time.monotonic()):
+            return True
+        self.failure = (
+            f"the engine process failed {self.budget.max_restarts + 1} times within "
+            f"{self.budget.window_s:g} s; last: {error!r}"
+        )
+        log.error("giving up on the engine: %s", self.failure)
+        return False
+
+    async def _restart(self, error: BaseException | None) -> None:
+        while True:
+            log.warning("restarting the engine process in place after: %r", error)
+            start = time.monotonic()
+            try:
+                self.runner = await asyncio.to_thread(self._spawn)
+            except Exception as e:
+                log.error("the engine process did not start again: %r", e)
+                error = e
+                if not self._take_restart(error):
+                    return
+                continue
+            self.restarts += 1
+            log.warning("engine process restarted (pid %d) in %.1f s", self.runner.pid, time.monotonic() - start)
+            return
 
 
 def _free_port() -> int:
@@ -84,6 +173,16 @@ class ShardGroup:
         """Wait until every rank has loaded and captured (the replica is not READY before)."""
         await asyncio.gather(*(s.alive.remote() for s in self.shards))
 
+    restarting = False  # shards are not restarted in place: Serve replaces the whole replica
+    restarts = 0
+    failure = None
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        try:
+            return not await self._dead_ranks()
+        except Exception:  # a rank that cannot answer is not ready
+            return False
+
     async def submit(
         self, prompt_ids, params: SamplingParams, request_id, graph_denial, interval_s
     ) -> AsyncIterator[StreamEvent]:
@@ -96,6 +195,8 @@ class ShardGroup:
                     yield await ref
                 except ray.exceptions.RayTaskError as e:
                     raise e.cause from None
+                except ray.exceptions.RayActorError as e:
+                    raise EngineDeadError(f"tensor-parallel rank 0 is gone: {e}") from None
         finally:
             ray.cancel(refs)
 
@@ -103,13 +204,17 @@ class ShardGroup:
         self.rank0.set_graph_denial.remote(request_id, reason)
 
     async def status(self) -> dict:
-        status, shards = await asyncio.gather(
-            self.rank0.status.remote(), asyncio.gather(*(s.shard_status.remote() for s in self.shards))
+        status, shards = await asyncio.wait_for(
+            asyncio.gather(self.rank0.status.remote(), asyncio.gather(*(s.shard_status.remote() for s in self.shards))),
+            PING_TIMEOUT_S,
         )
         return {**status, "shards": shards}
 
-    async def check(self) -> None:
+    async def _dead_ranks(self) -> list[int]:
         alive = await asyncio.wait_for(asyncio.gather(*(s.alive.remote() for s in self.shards)), PING_TIMEOUT_S)
-        if not all(alive):
-            dead = [rank for rank, ok in enumerate(alive) if not ok]
+        return [rank for rank, ok in enumerate(alive) if not ok]
+
+    async def check(self) -> None:
+        dead = await self._dead_ranks()
+        if dead:
             raise RuntimeError(f"tensor-parallel ranks {dead} stopped")

@@ -36,6 +36,10 @@ class EngineDeadError(RuntimeError):
     """The step loop has stopped; requests fail fast and health checks report it."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine could not handle one request; the others go on."""
+
+
 @dataclass
 class StreamEvent:
     """What a consumer sees: the new token ids and text of one read, and the counts so far."""
@@ -61,6 +65,20 @@ def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
     return []
 
 
+def apply_contained(engine: LLMEngine, command: Command) -> list[TokenEvent]:
+    """apply_command, where a failure ends only the request it concerns: the step loop goes on."""
+    try:
+        return apply_command(engine, command)
+    except Exception as e:
+        kind, arg = command
+        request_id = arg.request_id if kind == ADD else arg[0]
+        log.exception("command %r for request %s failed; ending that request", kind, request_id)
+        with contextlib.suppress(Exception):
+            engine.abort(request_id)
+        error = e if isinstance(e, InvalidRequest | QueueFull) else RequestFailed(f"{type(e).__name__}: {e}")
+        return [TokenEvent(request_id, [], "error", error)]
+
+
 def run_step_loop(
     engine: LLMEngine,
     receive: Callable[[float | None], Command | None],
@@ -81,7 +99,7 @@ def run_step_loop(
         while command is not None:
             if command[0] == STOP:
                 return
-            events += apply_command(engine, command)
+            events += apply_contained(engine, command)
             command = receive(0.0)
         if engine.has_work():
             events += engine.step()
@@ -219,7 +237,7 @@ class StreamFront(ABC):
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is not None:
-                stream.events.put_nowait(event)
+                stream.events.put_nowait(event if event.error is None else event.error)
                 if event.finish_reason is not None:
                     stream.ended.set()
                     self._close(event.request_id)

@@ -41,11 +41,13 @@ class EngineConfig:
 
 @dataclass
 class TokenEvent:
-    """New tokens of one request from one engine step; finish_reason is set on its last event."""
+    """New tokens of one request from one engine step; finish_reason is set on its last event,
+    and error too when the request failed (its stream raises it)."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
+    error: BaseException | None = None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from workers.async_engine import STOP, Command, EngineDeadError, StreamFront, run_step_loop
@@ -34,29 +35,63 @@ log = logging.getLogger(__name__)
 READY, EVENTS, STATUS, FAILED = "ready", "events", "status", "failed"
 EXIT_WAIT_S = 10.0
 
+# What the child takes from the replica's environment: paths, locale, and the settings of the
+# accelerator and the libraries it runs. Anything else (API keys, admin tokens, cloud credentials)
+# stays behind, and so does any variable whose name says it holds a secret.
+CHILD_ENV_NAMES = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "LD_LIBRARY_PATH",
+     "VIRTUAL_ENV", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "GRAPHSERVE_CACHE"}
+)  # fmt: skip
+CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "CUBLAS", "CUDNN_", "TORCH", "PYTORCH_", "TRITON_",
+                      "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_", "KMP_", "OPENBLAS_")  # fmt: skip
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+
+
+def child_environment(parent: dict[str, str]) -> dict[str, str]:
+    """The engine child's environment: what it needs of `parent`, plus our import path."""
+    env = {
+        name: value
+        for name, value in parent.items()
+        if (name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES))
+        and not any(word in name.upper() for word in SECRET_WORDS)
+    }
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)  # whatever this process can import
+    return env
+
 
 class EngineProcess(StreamFront):
-    def __init__(self, config: EngineConfig, tokenizer) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer,
+        on_exit: Callable[[BaseException], None] | None = None,
+        start_timeout_s: float | None = None,
+    ) -> None:
         """Start the child and return once its engine is READY (loaded, captured, verified), or
-        raise what stopped it."""
+        raise what stopped it (a child not READY within start_timeout_s is killed). on_exit is
+        called from the reader thread with the cause when the child stops without being told to."""
         child_commands, commands = os.pipe()
         events, child_events = os.pipe()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # whatever this process can import
         self.process = subprocess.Popen(
             [sys.executable, "-m", "workers.engine_process", str(child_commands), str(child_events)],
-            pass_fds=(child_commands, child_events), env=env,
+            pass_fds=(child_commands, child_events), env=child_environment(dict(os.environ)),
         )  # fmt: skip
         os.close(child_commands)  # the child's ends live in the child now: EOF means the other side is gone
         os.close(child_events)
         self._commands = Connection(commands, readable=False)
         self._events = Connection(events, writable=False)
         self._commands.send(config)
+        if not self._events.poll(start_timeout_s):
+            self.process.kill()
+            self.process.wait()
+            raise EngineDeadError(f"the engine process was not READY within {start_timeout_s:g} s; killed")
         kind, payload = self._receive_from_child()
         if kind != READY:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(EXIT_WAIT_S)
             raise payload
         super().__init__(tokenizer, payload)
+        self.on_exit = on_exit
         self._stopping = False
         self._send_lock = threading.Lock()
         self._status_replies: deque[concurrent.futures.Future] = deque()
@@ -67,15 +102,30 @@ class EngineProcess(StreamFront):
     def alive(self) -> bool:
         return self.process.poll() is None and self.error is None
 
-    async def status(self) -> dict:
-        """The engine's status, answered by the child between two steps."""
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def status(self, timeout_s: float | None = None) -> dict:
+        """The engine's status, answered by the child between two steps; TimeoutError when it does
+        not answer within timeout_s (a wedged child)."""
         reply: concurrent.futures.Future = concurrent.futures.Future()
         with self._send_lock:
             if not self.alive:
                 raise EngineDeadError(f"the engine process has stopped: {self.error!r}")
             self._status_replies.append(reply)
-            self._commands.send((STATUS, None))
-        return await asyncio.wrap_future(reply)
+            try:
+                self._commands.send((STATUS, None))
+            except OSError as e:  # the child is gone; the reader reports it
+                raise EngineDeadError(f"the engine process has stopped: {e!r}") from e
+        return await asyncio.wait_for(asyncio.wrap_future(reply), timeout_s)
+
+    def kill(self) -> None:
+        """End a child that no longer answers: dead from now on (before its exit is even seen); the
+        reader then reports it like any other death."""
+        self.error = self.error or EngineDeadError("the engine process was killed")
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -99,23 +149,40 @@ class EngineProcess(StreamFront):
             return FAILED, EngineDeadError(f"the engine process exited (exit code {self.process.returncode})")
 
     def _read(self) -> None:
-        while True:
-            kind, payload = self._receive_from_child()
-            if kind == EVENTS:
-                self._emit(payload)
-            elif kind == STATUS:
-                self._status_replies.popleft().set_result(payload)
-            else:
-                break
+        """Hand the child's messages on until it stops. Whatever ends this thread (the child's exit,
+        or a failure here such as a closed event loop) makes the engine dead: the child is killed,
+        every waiting stream and status call gets the error, and on_exit is told."""
+        try:
+            while True:
+                kind, payload = self._receive_from_child()
+                if kind == EVENTS:
+                    self._emit(payload)
+                elif kind == STATUS:
+                    reply = self._status_replies.popleft()
+                    if reply.set_running_or_notify_cancel():  # False: its caller gave up waiting
+                        reply.set_result(payload)
+                else:
+                    break
+        except BaseException as e:
+            log.exception("the engine's event reader failed; killing the engine process")
+            payload = EngineDeadError(f"the engine's event reader failed: {e!r}")
+            self.kill()
         if self._stopping:
             payload = EngineDeadError("the engine was shut down")
         else:
-            log.error("engine process failed: %s", payload)
+            log.error("engine process (pid %d) failed: %s", self.pid, payload)
         with self._send_lock:
             self.error = payload
             while self._status_replies:
-                self._status_replies.popleft().set_exception(payload)
+                reply = self._status_replies.popleft()
+                if reply.set_running_or_notify_cancel():
+                    reply.set_exception(payload)
         self._emit_failure(payload)
+        if self.on_exit is not None and not self._stopping:
+            try:
+                self.on_exit(payload)
+            except Exception:
+                log.exception("the engine's exit handler failed")
 
 
 def serve_engine(commands: Connection, events: Connection) -> None:

@@ -1,26 +1,37 @@
-"""A replica runs its engine's step loop in a child process. Killing that process fails the
-replica's health check and Serve replaces the replica, after which traffic is served by a fresh
-engine; deleting the application leaves no engine process behind to hold a device."""
+"""A replica runs its engine's step loop in a child process. Killed under load, the child is started
+again in place: streams that had tokens end with an error event in OpenAI's shape and [DONE], a
+non-streamed request that had begun gets a 503 with Retry-After, requests that had no token yet are
+served by the new engine, and /v1 serves again within 15 s, all on the same replica. Past the
+restart budget the replica fails its health check and Serve replaces it. Deleting the application
+leaves no engine process behind to hold a device."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from ray import serve
 
-from tests.integration.helpers import assert_openai_error, running_app, wait_for
+from tests.integration.helpers import httpx, running_app, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 APP = "child"
+RUNNING = 4  # max_num_seqs: the requests decoding when the engine is killed; the rest wait in its queue
+STREAMS = 5  # with the plain request: 4 decoding, 2 waiting (and a free slot for the recovery probe after)
+MAX_TOKENS = 3000  # seconds of the tiny model's steps: still running when the kill comes
+RECOVERY_TARGET_S = 15.0
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     wait_for(lambda: not engine_pids(), 30, what="engine processes of earlier tests to exit")
-    with running_app(tmp_path_factory.mktemp(APP), name=APP, admin_token="admin-child") as s:
+    args = {"max_num_seqs": RUNNING, "max_model_len": 4096, "engine_max_restarts": 1}
+    with running_app(tmp_path_factory.mktemp(APP), name=APP, admin_token="admin-child", args=args) as s:
         s.wait_ready()
         yield s
 
@@ -40,17 +51,97 @@ def engine_pids() -> set[int]:
     return pids
 
 
-def test_killed_engine_fails_health_and_replica_is_replaced(server):
+class Client(threading.Thread):
+    """One request in a thread: a stream (its SSE payloads, and whether text had arrived) or a
+    plain request (its status, headers and body)."""
+
+    def __init__(self, server, stream: bool) -> None:
+        super().__init__(daemon=True)
+        self.server, self.stream = server, stream
+        self.had_text = threading.Event()
+        self.payloads: list[str] = []
+        self.response: httpx.Response | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"model": self.server.model, "prompt": "Hello", "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": self.stream}  # fmt: skip
+        try:
+            with httpx.Client(base_url=self.server.base_url, timeout=120) as http:
+                if not self.stream:
+                    self.response = http.post("/v1/completions", json=body, headers=self.server.key_headers())
+                    return
+                with http.stream("POST", "/v1/completions", json=body, headers=self.server.key_headers()) as r:
+                    assert r.status_code == 200, r.read()
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        payload = line[len("data: ") :]
+                        self.payloads.append(payload)
+                        if payload != "[DONE]" and json.loads(payload).get("choices", [{}])[0].get("text"):
+                            self.had_text.set()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def completed(client: Client) -> bool:
+    events = [json.loads(p) for p in client.payloads[:-1]]
+    return bool(events) and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def ended_with_error(client: Client) -> bool:
+    events = [json.loads(p) for p in client.payloads[:-1]]
+    return bool(events) and set(events[-1]) == {"error"} and events[-1]["error"]["message"]
+
+
+def test_killed_engine_restarts_in_place_and_loses_no_waiting_request(server):
+    before = server.replica_status()
     (pid,) = engine_pids()
+    plain = Client(server, stream=False)
+    plain.start()  # first in line: it is decoding when the kill comes
+    wait_for(lambda: server.replica_status()["stats"]["prefill_steps"] > before["stats"]["prefill_steps"], 30,
+             what="the plain request to start decoding")  # fmt: skip
+    streams = [Client(server, stream=True) for _ in range(STREAMS)]
+    for client in streams:
+        client.start()
+    wait_for(lambda: sum(c.had_text.is_set() for c in streams) >= RUNNING - 1, 30, what="three streams decoding")
+    decoding = [c for c in streams if c.had_text.is_set()]
     os.kill(pid, signal.SIGKILL)
-    r = server.complete()
-    if r.status_code != 200:  # before the health check notices, the old replica says why it cannot serve
-        assert_openai_error(r, 503, "engine")
+    killed_at = time.monotonic()
+    wait_for(lambda: server.complete().status_code == 200, RECOVERY_TARGET_S, interval=0.2,
+             what="/v1 serving again after the kill")  # fmt: skip
+    recovery_s = time.monotonic() - killed_at
+    for client in [plain, *streams]:
+        client.join(120)
+        assert not client.is_alive() and client.error is None, client.error
+    assert recovery_s < RECOVERY_TARGET_S
+
+    # Every stream ended with [DONE]: those that had tokens with an error event, the others complete.
+    assert all(c.payloads and c.payloads[-1] == "[DONE]" for c in streams), [c.payloads[-2:] for c in streams]
+    assert all(ended_with_error(c) for c in decoding)
+    waiting = [c for c in streams if c not in decoding]
+    assert all(completed(c) or (ended_with_error(c) and c.had_text.is_set()) for c in waiting)
+    assert sum(completed(c) for c in waiting) >= STREAMS - RUNNING  # requests without a token were served
+    assert plain.response.status_code == 503 and plain.response.headers["retry-after"]
+    assert set(plain.response.json()) == {"error"}
+
+    # The same replica serves with a new engine process.
+    after = server.replica_status()
+    assert after["replica_id"] == before["replica_id"] and after["engine_restarts"] == 1
+    assert after["state"] == "READY"
+    assert engine_pids() and pid not in engine_pids()
+
+
+def test_past_the_restart_budget_the_replica_is_replaced(server):
+    before = server.replica_status()["replica_id"]
+    (pid,) = engine_pids()
+    os.kill(pid, signal.SIGKILL)  # the second death: engine_max_restarts=1 is spent
 
     def replaced() -> bool:
-        return bool(engine_pids() - {pid}) and server.complete().status_code == 200
+        replicas = server.admin_status()["replicas"]
+        return before not in replicas and server.complete().status_code == 200
 
-    wait_for(replaced, 120, interval=1.0, what="a new replica with a fresh engine serving")
+    wait_for(replaced, 150, interval=1.0, what="a new replica with a fresh engine serving")
     assert pid not in engine_pids()
 
 

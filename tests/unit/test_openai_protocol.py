@@ -1,0 +1,173 @@
+"""Request parsing before anything reaches a replica: the body is strict JSON (no lone surrogates, no
+NaN or Infinity) and every field takes only its own JSON type, so bad input is a 400 naming what is
+wrong, never a 500 further on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from app.ingress import _json_body
+from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, CompletionRequest
+
+
+class FakeRequest:
+    """What `_json_body` reads of a request: its raw body."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    async def body(self) -> bytes:
+        return self.raw
+
+
+def parse(raw: bytes) -> dict | JSONResponse:
+    return asyncio.run(_json_body(FakeRequest(raw)))
+
+
+def error_message(raw: bytes) -> str:
+    response = parse(raw)
+    assert isinstance(response, JSONResponse)
+    assert response.status_code == 400
+    error = json.loads(response.body)["error"]
+    assert error["type"] == "invalid_request_error"
+    return error["message"]
+
+
+# -- the body --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [rb'{"prompt": "\ud800"}', rb'{"prompt": "a\udfffb"}', rb'{"prompt": "\ud800\ud800"}', rb'{"x": "\ud800\n"}'],
+    ids=["high", "low", "two-highs", "high-then-other-escape"],
+)
+def test_lone_surrogate_escape_is_400(raw):
+    """json.loads accepts a lone UTF-16 surrogate (which no tokenizer can encode); the strict parser
+    refuses it and the message says what it is."""
+    assert json.loads(raw)  # the lax parser would have let it through
+    message = error_message(raw)
+    assert "not valid JSON" in message and "surrogate" in message
+
+
+def test_surrogate_pair_is_one_character():
+    """A proper pair of escapes is the character it encodes."""
+    assert parse(rb'{"prompt": "\ud83d\ude00"}') == {"prompt": "\N{GRINNING FACE}"}
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_are_400(literal):
+    """JavaScript's non-finite literals are not JSON: a 400 naming them."""
+    raw = b'{"model": "m", "temperature": ' + literal + b"}"
+    assert json.loads(raw)
+    message = error_message(raw)
+    assert "not valid JSON" in message and "NaN and Infinity" in message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"n": ' + b"9" * 5000 + b"}", b'{"p": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"{not json", b"\xff"],
+    ids=["int-beyond-4300-digits", "nested-too-deep", "malformed", "not-utf8"],
+)
+def test_unparseable_bodies_are_400(raw):
+    """Bodies json.loads chokes on with exceptions other than JSONDecodeError (ValueError for the
+    huge integer) or that the strict parser refuses are a 400 too."""
+    assert "not valid JSON" in error_message(raw)
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'"text"', b"null", b"3"])
+def test_non_object_body_is_400(raw):
+    assert error_message(raw) == "request body must be a JSON object"
+
+
+def test_object_body_is_returned():
+    assert parse(b'{"model": "m", "prompt": "hi", "temperature": 0.5}') == {
+        "model": "m",
+        "prompt": "hi",
+        "temperature": 0.5,
+    }
+
+
+# -- the fields ------------------------------------------------------------------------------------
+
+COMPLETION = {"model": "m", "prompt": "hi"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+# (case id, schema, body changes, the field the error must name)
+LAX = [
+    ("temperature-string", CompletionRequest, {"temperature": "1.5"}, "temperature"),
+    ("temperature-bool", CompletionRequest, {"temperature": True}, "temperature"),
+    ("top_p-string", CompletionRequest, {"top_p": "0.5"}, "top_p"),
+    ("top_p-bool", CompletionRequest, {"top_p": True}, "top_p"),
+    ("max_tokens-bool", CompletionRequest, {"max_tokens": True}, "max_tokens"),
+    ("max_tokens-float", CompletionRequest, {"max_tokens": 4.0}, "max_tokens"),
+    ("max_tokens-string", CompletionRequest, {"max_tokens": "4"}, "max_tokens"),
+    ("top_k-bool", CompletionRequest, {"top_k": True}, "top_k"),
+    ("seed-bool", CompletionRequest, {"seed": False}, "seed"),
+    ("seed-string", CompletionRequest, {"seed": "7"}, "seed"),
+    ("stop-number", CompletionRequest, {"stop": 5}, "stop"),
+    ("stop-list-of-numbers", CompletionRequest, {"stop": ["a", 5]}, "stop"),
+    ("stop-over-cap", CompletionRequest, {"stop": "x" * (STOP_MAX_CHARS + 1)}, "stop"),
+    ("stop-list-over-cap", CompletionRequest, {"stop": ["a", "x" * (STOP_MAX_CHARS + 1)]}, "stop"),
+    ("user-number", CompletionRequest, {"user": 5}, "user"),
+    ("model-number", CompletionRequest, {"model": 5}, "model"),
+    ("prompt-bool-ids", CompletionRequest, {"prompt": [True, 2]}, "prompt"),
+    ("n-bool", CompletionRequest, {"n": True}, "n"),
+    ("n-float", CompletionRequest, {"n": 1.0}, "n"),
+    ("presence_penalty-bool", CompletionRequest, {"presence_penalty": False}, "presence_penalty"),
+    ("frequency_penalty-bool", CompletionRequest, {"frequency_penalty": False}, "frequency_penalty"),
+    ("echo-zero", CompletionRequest, {"echo": 0}, "echo"),
+    ("stream-int", CompletionRequest, {"stream": 1}, "stream"),
+    (
+        "include_usage-int",
+        CompletionRequest,
+        {"stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options",
+    ),
+    ("temperature-infinite", CompletionRequest, {"temperature": float("inf")}, "temperature"),
+    ("content-number", ChatRequest, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("content-null", ChatRequest, {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("name-number", ChatRequest, {"messages": [{"role": "user", "content": "hi", "name": 1}]}, "messages.0.name"),
+    ("logprobs-zero", ChatRequest, {"logprobs": 0}, "logprobs"),
+    ("max_completion_tokens-bool", ChatRequest, {"max_completion_tokens": True}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize(("schema", "changes", "field"), [c[1:] for c in LAX], ids=[c[0] for c in LAX])
+def test_lax_values_are_refused(schema, changes, field):
+    """No coercion: a string is not a number, a bool is not an integer, a number is not a string."""
+    base = COMPLETION if schema is CompletionRequest else CHAT
+    with pytest.raises(ValidationError) as info:
+        schema.model_validate({**base, **changes})
+    locs = [".".join(str(p) for p in e["loc"]) for e in info.value.errors()]
+    assert any(loc == field or loc.startswith(field + ".") for loc in locs), locs
+
+
+def test_ints_are_numbers():
+    """JSON has one number type: an integer temperature or top_p is accepted (as a float)."""
+    req = CompletionRequest.model_validate({**COMPLETION, "temperature": 1, "top_p": 1, "presence_penalty": 0})
+    sampling = req.sampling()
+    assert sampling["temperature"] == 1.0 and isinstance(sampling["temperature"], float)
+    assert sampling["top_p"] == 1.0 and isinstance(sampling["top_p"], float)
+
+
+def test_valid_values_pass():
+    """The strict schema still takes every valid field."""
+    req = ChatRequest.model_validate(
+        {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "seed": -1, "stop": ["a", "b"], "n": 1, "user": "u",
+         "logprobs": False, "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    )  # fmt: skip
+    assert req.sampling()["max_tokens"] == 5 and req.sampling()["stop"] == ("a", "b")
+    assert CompletionRequest.model_validate({**COMPLETION, "prompt": [1, 2], "echo": False}).prompt == [1, 2]
+
+
+def test_stop_at_the_cap_is_accepted():
+    """The cap is inclusive: STOP_MAX_CHARS characters (not bytes) is fine, one more is not."""
+    stop = "€" * STOP_MAX_CHARS
+    assert CompletionRequest.model_validate({**COMPLETION, "stop": stop}).sampling()["stop"] == (stop,)
+    with pytest.raises(ValidationError, match=str(STOP_MAX_CHARS)):
+        CompletionRequest.model_validate({**COMPLETION, "stop": stop + "€"})

@@ -1,0 +1,106 @@
+"""The replica's tokenizing step: what a real tokenizer or its chat template refuses for the client's
+input is InvalidRequest (the replica's 400), with the refusal's reason; anything else still raises."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from app.replica import tokenize
+from workers.default_model import CHAT_TEMPLATE, build_byte_tokenizer
+from workers.sampling import InvalidRequest
+
+ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
+# The tiny model's template behind the check many real templates (Llama 2, Mistral) make.
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('" + ALTERNATE + "') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE
+)
+
+
+@pytest.fixture(scope="module")
+def strict_tokenizer(tmp_path_factory):
+    """A real tokenizer directory, loaded as a served model's would be, whose chat template raises
+    when roles do not alternate."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = ALTERNATING_TEMPLATE
+    path = tmp_path_factory.mktemp("alternating-tokenizer")
+    tokenizer.save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def chat(*turns: tuple[str, str]) -> dict:
+    return {"kind": "chat", "messages": [{"role": role, "content": content} for role, content in turns]}
+
+
+def test_template_raise_exception_is_invalid_request(strict_tokenizer):
+    """The template's own message reaches the client."""
+    with pytest.raises(InvalidRequest, match="chat template") as info:
+        tokenize(strict_tokenizer, chat(("user", "hi"), ("user", "again")))
+    assert ALTERNATE in str(info.value)
+
+
+def test_alternating_messages_are_tokenized(strict_tokenizer):
+    """The same template, satisfied, gives the template's ids."""
+    ids = tokenize(strict_tokenizer, chat(("user", "hi"), ("assistant", "yo"), ("user", "?")))
+    expected = strict_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert strict_tokenizer.decode(ids) == expected
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{% for m in messages %}{{ m['content'] | no_such_filter }}{% endfor %}", "{% for m in messages %}"],
+    ids=["unknown-filter", "syntax-error"],
+)
+def test_broken_template_is_invalid_request(template):
+    """Whatever jinja raises while rendering the chat template is a refusal of this request, not a
+    crash of the replica's generate."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = template
+    with pytest.raises(InvalidRequest, match="chat template"):
+        tokenize(tokenizer, chat(("user", "hi")))
+
+
+def test_lone_surrogate_prompt_is_invalid_request(strict_tokenizer):
+    """A string holding a lone surrogate (the tokenizer raises TypeError) is refused with a reason a
+    client can act on, as a completion prompt and as chat content."""
+    with pytest.raises(InvalidRequest, match="surrogate"):
+        tokenize(strict_tokenizer, {"kind": "completion", "prompt": "ok \ud800"})
+    with pytest.raises(InvalidRequest, match="surrogate"):
+        tokenize(strict_tokenizer, chat(("user", "\udfff")))
+
+
+def test_model_without_chat_template_is_invalid_request():
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = None
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        tokenize(tokenizer, chat(("user", "hi")))
+
+
+def test_prompt_ids_and_text(strict_tokenizer):
+    assert tokenize(strict_tokenizer, {"kind": "completion", "prompt": [5, 6]}) == [5, 6]
+    assert tokenize(strict_tokenizer, {"kind": "completion", "prompt": "hi"}) == strict_tokenizer("hi")["input_ids"]
+
+
+class BrokenTokenizer:
+    """A tokenizer failing for reasons of its own, not the input's."""
+
+    chat_template = CHAT_TEMPLATE
+
+    def __call__(self, text: str) -> dict:
+        raise RuntimeError("tokenizer backend crashed")
+
+    def apply_chat_template(self, *args, **kwargs) -> list[int]:
+        raise MemoryError
+
+
+def test_other_failures_are_not_turned_into_400s():
+    """Only the refusals of bad input become InvalidRequest: a failing tokenizer still raises."""
+    with pytest.raises(RuntimeError, match="crashed"):
+        tokenize(BrokenTokenizer(), {"kind": "completion", "prompt": "hi"})
+    with pytest.raises(MemoryError):
+        tokenize(BrokenTokenizer(), chat(("user", "hi")))
