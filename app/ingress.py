@@ -163,7 +163,11 @@ class Ingress:
         else:
             payload["prompt"] = req.prompt
         items = self.llm.generate.remote(payload)
-        first = await anext(_items(items), None)
+        try:
+            first = await anext(_items(items), None)
+        except BaseException:  # the client went away before the first token: end the request there too
+            items.cancel()
+            raise
         if first is None or "error" in first:
             items.cancel()
             first = first or _REPLICA_GONE

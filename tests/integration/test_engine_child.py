@@ -94,6 +94,27 @@ def ended_with_error(client: Client) -> bool:
     return bool(events) and set(events[-1]) == {"error"} and events[-1]["error"]["message"]
 
 
+def test_request_cancelled_before_its_first_token_is_counted(server):
+    """A client that leaves while its request waits for a slot: the replica counts it as cancelled."""
+
+    def cancelled() -> int:
+        counts = server.replica_status()["requests"]["requests"]
+        return sum(c["count"] for c in counts if c["outcome"] == "cancelled")
+
+    before = cancelled()
+    blockers = [Client(server, stream=True) for _ in range(RUNNING)]
+    for client in blockers:
+        client.start()
+    wait_for(lambda: all(c.had_text.is_set() for c in blockers), 30, what="every slot decoding")
+    body = {"model": server.model, "prompt": "Hello", "max_tokens": 8}
+    with pytest.raises(httpx.ReadTimeout):  # still queued behind the blockers when the client gives up
+        httpx.post(server.v1 + "/completions", json=body, headers=server.key_headers(), timeout=1.0)
+    for client in blockers:
+        client.join(120)
+        assert completed(client), client.payloads[-2:]
+    wait_for(lambda: cancelled() == before + 1, 30, what="the request that left to be counted as cancelled")
+
+
 def test_killed_engine_restarts_in_place_and_loses_no_waiting_request(server):
     before = server.replica_status()
     (pid,) = engine_pids()
