@@ -7,6 +7,7 @@ a Ray actor per GPU; nothing here knows about Ray.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,8 @@ from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 from workers.sampling import SamplingParams
 from workers.tp import StepChannel, follow, init_tp_group
+
+log = logging.getLogger(__name__)
 
 
 def prepare_follower(model: LlamaModel, config: EngineConfig) -> tuple[GraphRunner, KVCache]:
@@ -63,6 +66,7 @@ class ShardWorker:
         try:
             follow(self.channel, model, self.runner, cache)
         except BaseException as e:  # a timed-out or broken collective ends this rank
+            log.exception("tensor-parallel rank %d stopped following rank 0", self.rank)
             self.error = e
 
     def alive(self) -> bool:

@@ -8,6 +8,7 @@ is a byte-level Llama with random weights: its greedy output is gibberish, but d
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import openai
@@ -101,8 +102,7 @@ def test_completion_streaming_matches_non_streaming(server, client, greedy):
         stream_options={"include_usage": True},
     )
     chunks = list(stream)  # the iterator must end on its own
-    with_choices = [c for c in chunks if c.choices]
-    assert len(with_choices) >= 1
+    with_choices = [c for c in chunks if c.choices]  # that they are several: the next test
     assert "".join(c.choices[0].text for c in with_choices) == greedy.choices[0].text
     assert [c.choices[0].finish_reason for c in with_choices][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
@@ -111,6 +111,23 @@ def test_completion_streaming_matches_non_streaming(server, client, greedy):
     assert usage_chunk.usage.completion_tokens == greedy.usage.completion_tokens
     assert usage_chunk.usage.prompt_tokens == greedy.usage.prompt_tokens
     assert usage_chunk.usage.total_tokens == greedy.usage.total_tokens
+
+
+def test_a_long_stream_arrives_in_several_chunks_over_time(server, client):
+    """Streaming really streams: 200 tokens (tens of the server's 20 ms coalescing intervals on the
+    tiny model) arrive as several text chunks at different times, the first long before the last,
+    not as one chunk holding the whole completion."""
+    arrivals = []
+    stream = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append((time.monotonic(), chunk.choices[0].text))
+    text = "".join(t for _, t in arrivals)
+    assert len(arrivals) >= 3, [len(t) for _, t in arrivals]
+    assert len(arrivals[0][1]) < len(text) / 2
+    assert arrivals[-1][0] - arrivals[0][0] > 0.02  # at least one coalescing interval apart
 
 
 def test_streaming_without_usage_has_no_usage_chunk(server, client):
