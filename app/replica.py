@@ -3,7 +3,7 @@
 `__init__` loads the model and captures every graph before it returns, so Serve keeps the replica
 STARTING and routes nothing to it until capture is complete. A background task polls the controller
 for tenant toggles (applied to new and running requests within `toggle_poll_s`, without leaving
-traffic) and pushes this replica's status. A stream reads its tokens at most every
+traffic) and another pushes this replica's status. A stream reads its tokens at most every
 `stream_interval_ms` and yields what gathered as one item (the first and the last at once): one
 item per token through the ingress hop would not keep up at high concurrency.
 """
@@ -89,7 +89,7 @@ class LLMReplica:
         self.tokenizer = self.engine.tokenizer
         self.engine_status = await self.engine.status()
         await self._sync_toggles_logged()
-        self._background = asyncio.create_task(self._poll())
+        self._background = [asyncio.create_task(self._poll_toggles()), asyncio.create_task(self._report())]
         self.controller.notify("report", self.replica_id, self.status())
         log.info("replica %s: %s", self.replica_id, self.engine_status["state"])
 
@@ -139,15 +139,18 @@ class LLMReplica:
                 log.error("replica %s: engine %s: %r", self.replica_id, state, self.engine.failure or e)
             self.engine_status = {**self.engine_status, "state": state}
 
-    async def _poll(self) -> None:
-        last_report = 0.0
+    async def _poll_toggles(self) -> None:
         while True:
             await self._sync_toggles_logged()
-            if time.monotonic() - last_report >= STATUS_EVERY_S:
-                await self._refresh_status()
-                self.controller.notify("report", self.replica_id, self.status())
-                last_report = time.monotonic()
             await asyncio.sleep(self.config.toggle_poll_s)
+
+    async def _report(self) -> None:
+        """Apart from the toggle poll: a slow engine (a wedged one takes engine_timeout_s to be
+        noticed) or a slow controller delays neither the other."""
+        while True:
+            await self._refresh_status()
+            self.controller.notify("report", self.replica_id, self.status())
+            await asyncio.sleep(STATUS_EVERY_S)
 
     async def check_health(self) -> None:
         await self.engine.check()

@@ -16,18 +16,14 @@ import openai
 import pytest
 
 from app.openai_protocol import STOP_MAX_CHARS
+from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
 from tests.integration.helpers import API_KEYS, assert_openai_error, running_app
-from workers.default_model import CHAT_TEMPLATE, TINY_SEED, build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.default_model import TINY_SEED, build_byte_tokenizer, tiny_hf_config, write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = "tiny-alternating"
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
-ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
-ALTERNATING_TEMPLATE = (
-    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('" + ALTERNATE + "') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE
-)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.replica import tokenize
+from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
 from workers.default_model import CHAT_TEMPLATE, build_byte_tokenizer
 from workers.sampling import InvalidRequest
-
-ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
-# The tiny model's template behind the check many real templates (Llama 2, Mistral) make.
-ALTERNATING_TEMPLATE = (
-    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('" + ALTERNATE + "') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE
-)
 
 
 @pytest.fixture(scope="module")
