@@ -24,6 +24,7 @@ from workers.config import parse_config
 from workers.default_model import BENCH_CONFIGS, random_model
 from workers.engine import EngineConfig, LLMEngine
 from workers.sampling import SamplingParams, sample
+from workers.step_inputs import DecodeInputs
 
 PROMPT_LEN = 128
 TENANT_DISABLED = FallbackReason.TENANT_DISABLED
@@ -86,10 +87,10 @@ def step_breakdown(engine: LLMEngine, steps: int = 100) -> dict[str, float]:
     runner = engine.runner
     phases: dict[str, list[float]] = {"load_inputs": [], "replay": [], "sample_and_read": [], "whole_step": []}
     for _ in range(steps):
-        tokens, positions, slots = engine._inputs([seq])
+        batch = DecodeInputs.of([seq])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner._load(tokens, positions, slots, 1)
+        runner._load(batch, 1)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         logits = runner._replays[1]()

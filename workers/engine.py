@@ -23,6 +23,7 @@ from workers.parallel import TPGroup
 from workers.sampling import SamplingParams, sample
 from workers.scheduler import Scheduler, Sequence, new_sequence
 from workers.stats import EngineStats
+from workers.step_inputs import DecodeInputs, PrefillInputs
 from workers.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
 
 
@@ -130,12 +131,9 @@ class LLMEngine:
                 sizes.append(min(2 * sizes[-1], largest))
         for n in sizes:
             lens = [min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)]
-            tokens, positions = [0] * n, [p for m in lens for p in range(m)]
-            slots = [self.cache.scratch_slot] * n
-            self._send(PREFILL, len(lens), tokens, positions, slots, lens)
-            logits = self.model.prefill(
-                self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache
-            )
+            batch = PrefillInputs([0] * n, [p for m in lens for p in range(m)], [self.cache.scratch_slot] * n, lens)
+            self._send(PREFILL, batch)
+            logits = self.model.prefill(*batch.to_device(self.device), lens, self.cache)
         rows = len(lens)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
             sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
@@ -161,17 +159,17 @@ class LLMEngine:
     def _set_state(self, state: EngineState) -> None:
         self.state = state
 
-    def _send(self, op: int, rows: int, *columns: list[int]) -> None:
+    def _send(self, op: int, batch: DecodeInputs | PrefillInputs | None = None) -> None:
         """Hand a model call's inputs to the follower ranks (nothing to do without tensor parallelism)."""
         if self.channel is not None:
-            self.channel.send(op, rows, [v for column in columns for v in column])
+            self.channel.send(op, batch.rows if batch else 0, batch.to_ints() if batch else None)
 
     def heartbeat(self) -> None:
         """Tell follower ranks rank 0 is alive while there is nothing to do."""
-        self._send(NOOP, 0)
+        self._send(NOOP)
 
     def stop_followers(self) -> None:
-        self._send(STOP, 0)
+        self._send(STOP)
 
     def add_request(
         self,
@@ -212,20 +210,12 @@ class LLMEngine:
             self.stats.record_busy("decode", time.perf_counter() - start)
         return list(events.values())
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
     def _prefill(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
-        tokens = [t for s in seqs for t in s.prompt_ids]
-        positions = [p for s in seqs for p in range(len(s.prompt_ids))]
-        slots = [s.slot for s in seqs for _ in s.prompt_ids]
-        lens = [len(s.prompt_ids) for s in seqs]
-        self._send(PREFILL, len(seqs), tokens, positions, slots, lens)
-        logits = self.model.prefill(
-            self._tensor(tokens), self._tensor(positions), self._tensor(slots), lens, self.cache
-        )
+        batch = PrefillInputs.of(seqs)
+        self._send(PREFILL, batch)
+        logits = self.model.prefill(*batch.to_device(self.device), batch.lens, self.cache)
         self._accept(seqs, logits, events)
-        self.stats.record_prefill(len(seqs), len(tokens))
+        self.stats.record_prefill(len(seqs), len(batch.tokens))
 
     def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
         """One token for every running sequence. Rows whose request may not use graphs run eager
@@ -238,25 +228,21 @@ class LLMEngine:
             if allowed:
                 logits[allowed] = self._decode_rows([seqs[i] for i in allowed]).float()
             rows = [i for group in denied.values() for i in group]
-            inputs = self._inputs([seqs[i] for i in rows])
-            self._send(EAGER, len(rows), *inputs)
-            logits[rows] = self.runner.eager(*inputs).float()
+            batch = DecodeInputs.of([seqs[i] for i in rows])
+            self._send(EAGER, batch)
+            logits[rows] = self.runner.eager(batch).float()
             for reason, group in denied.items():
                 self.stats.record_step("eager", "none", reason.value, len(group), 0)
         self._accept(seqs, logits, events)
         self.stats.record_decode(len(seqs))
 
     def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
-        inputs = self._inputs(seqs)
-        self._send(DECODE, len(seqs), *inputs)
-        logits, d = self.runner.decode(*inputs)
+        batch = DecodeInputs.of(seqs)
+        self._send(DECODE, batch)
+        logits, d = self.runner.decode(batch)
         reason = d.reason.value if d.reason else "none"
         self.stats.record_step(d.mode.value, d.bucket_id, reason, len(seqs), (d.bucket or len(seqs)) - len(seqs))
         return logits
-
-    @staticmethod
-    def _inputs(seqs: list[Sequence]) -> tuple[list[int], list[int], list[int]]:
-        return [s.output_ids[-1] for s in seqs], [s.length - 1 for s in seqs], [s.slot for s in seqs]
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, events: dict[str, TokenEvent]) -> None:
         """Sample one token per sequence, record it, and retire sequences that are done."""

@@ -30,6 +30,7 @@ from policies.graph_policy import GraphPolicy
 from workers.attention import GraphSupport
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
+from workers.step_inputs import DecodeInputs
 
 log = logging.getLogger(__name__)
 MB = 1 << 20
@@ -94,24 +95,22 @@ class GraphRunner:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> tuple[torch.Tensor, Dispatch]:
+    def decode(self, batch: DecodeInputs) -> tuple[torch.Tensor, Dispatch]:
         """Logits (rows, vocab) for one decode step, by graph when the table allows, else eager."""
-        dispatch = self.table.dispatch(len(tokens))
+        dispatch = self.table.dispatch(batch.rows)
         if dispatch.mode == ExecutionMode.EAGER:
-            return self.eager(tokens, positions, slots), dispatch
-        self._load(tokens, positions, slots, dispatch.bucket)
-        return self._replays[dispatch.bucket]()[: len(tokens)], dispatch
+            return self.eager(batch), dispatch
+        self._load(batch, dispatch.bucket)
+        return self._replays[dispatch.bucket]()[: batch.rows], dispatch
 
-    def eager(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        host = torch.tensor([tokens, positions, slots], dtype=torch.int64)
-        t, p, s = host.to(self.device, non_blocking=True)
-        return self.model.decode(t, p, s, self.cache)
+    def eager(self, batch: DecodeInputs) -> torch.Tensor:
+        return self.model.decode(*batch.to_device(self.device), self.cache)
 
-    def _load(self, tokens: list[int], positions: list[int], slots: list[int], bucket: int) -> None:
+    def _load(self, batch: DecodeInputs, bucket: int) -> None:
         """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
-        n = len(tokens)
+        n = batch.rows
         host = self._host[:, :bucket]
-        host[:, :n] = torch.tensor((tokens, positions, slots))
+        host[:, :n] = torch.tensor(batch)
         host[:2, n:] = 0
         host[2, n:] = self.cache.scratch_slot
         self.inputs[:, :bucket].copy_(host, non_blocking=True)
@@ -121,14 +120,14 @@ class GraphRunner:
 
     # -- startup -------------------------------------------------------------------------------
 
-    def _scratch_batch(self, bucket: int) -> tuple[list[int], list[int], list[int]]:
+    def _scratch_batch(self, bucket: int) -> DecodeInputs:
         """A warmup batch that writes only the scratch slot: random tokens at distinct positions."""
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, self.model.cfg.vocab_size, (bucket,), generator=g).tolist()
         positions = [i % self.cache.max_model_len for i in range(bucket)]
-        return tokens, positions, [self.cache.scratch_slot] * bucket
+        return DecodeInputs(tokens, positions, [self.cache.scratch_slot] * bucket)
 
-    def probe(self, bucket: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+    def probe(self, bucket: int, seed: int) -> DecodeInputs:
         """A verification batch whose rows differ in what a graph could mix up: row i decodes a random
         token in a real slot (distinct slots in shuffled order while there are enough; rows beyond
         num_slots share them) at a distinct position of 1..n, so no two rows share a length or a
@@ -142,7 +141,7 @@ class GraphRunner:
         order = torch.randperm(self.cache.num_slots, generator=g).tolist()
         slots = [order[i % len(order)] for i in range(n)]
         pad = bucket - n
-        return tokens + [0] * pad, positions + [0] * pad, slots + [self.cache.scratch_slot] * pad
+        return DecodeInputs(tokens + [0] * pad, positions + [0] * pad, slots + [self.cache.scratch_slot] * pad)
 
     @contextlib.contextmanager
     def _probe_kv(self, slots: list[int], positions: list[int], seed: int) -> Iterator[Callable[[], None]]:
@@ -185,7 +184,7 @@ class GraphRunner:
             t0 = time.perf_counter()
             for bucket in sorted(self.table.buckets if self.enabled else (1,), reverse=True):
                 for _ in range(2):
-                    self._load(*self._scratch_batch(bucket), bucket)
+                    self._load(self._scratch_batch(bucket), bucket)
                     self.step_fn(*self._views(bucket), self.cache)
             if stream:
                 torch.cuda.synchronize()
@@ -317,10 +316,10 @@ class GraphRunner:
         slot may change), so this may run again, also with live sequences in the cache."""
         for bucket in sorted(self.table.ready):
             seed = bucket + 1
-            tokens, positions, slots = self.probe(bucket, seed)
-            with self._probe_kv(slots, positions, seed) as reset:
+            batch = self.probe(bucket, seed)
+            with self._probe_kv(batch.slots, batch.positions, seed) as reset:
                 reset()
-                self._load(tokens, positions, slots, bucket)
+                self._load(batch, bucket)
                 eager = self.step_fn(*self._views(bucket), self.cache).float()
                 reset()
                 replayed = self._replays[bucket]().float()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from workers.parallel import TPGroup
+from workers.step_inputs import DecodeInputs, PrefillInputs
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,7 @@ def follow(channel: StepChannel, model, runner, cache) -> None:
             if op == NOOP:
                 continue
             if op == PREFILL:
-                n = (len(values) - rows) // 3  # tokens, positions, slots of n tokens; then `rows` prompt lengths
-                tokens, positions, slots, lens = values[:n], values[n : 2 * n], values[2 * n : 3 * n], values[3 * n :]
-                t = torch.tensor([tokens, positions, slots], dtype=torch.int64).to(cache.k.device)
-                model.prefill(t[0], t[1], t[2], lens, cache)
+                batch = PrefillInputs.from_ints(rows, values)
+                model.prefill(*batch.to_device(cache.k.device), batch.lens, cache)
             else:
-                tokens, positions, slots = values[:rows], values[rows : 2 * rows], values[2 * rows :]
-                (runner.decode if op == DECODE else runner.eager)(tokens, positions, slots)
+                (runner.decode if op == DECODE else runner.eager)(DecodeInputs.from_ints(rows, values))

@@ -16,6 +16,7 @@ from workers.attention import SdpaDecode, SdpaVarlenDecode
 from workers.engine import EngineConfig, LLMEngine
 from workers.graph_runner import GraphRunner
 from workers.sampling import SamplingParams
+from workers.step_inputs import DecodeInputs
 
 pytestmark = pytest.mark.timeout(60)
 BOS = 256
@@ -199,7 +200,7 @@ def test_sdpa_varlen_matches_sdpa(tiny):
     for p, sp in reqs:
         engine.add_request(p, sp)
     engine.step()  # prefill + one decode: the cache holds each row's keys
-    tokens, positions, slots = (torch.tensor(x) for x in engine._inputs(list(engine.scheduler.running.values())))
+    tokens, positions, slots = DecodeInputs.of(list(engine.scheduler.running.values())).to_device(engine.device)
     model = tiny.model
     with torch.inference_mode():
         model.attention_backend = SdpaDecode()
