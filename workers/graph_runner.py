@@ -205,24 +205,22 @@ class GraphRunner:
             for bucket in sorted(self.table.buckets, reverse=True):
                 record = self.records[bucket] = BucketRecord(bucket)
                 if len(self.table.ready) >= self.policy.max_cached_graphs:
-                    record.error = f"max_cached_graphs={self.policy.max_cached_graphs} reached"
-                    self.table.mark_missing(bucket, FallbackReason.EVICTED, record.error)
+                    self._withdraw(
+                        bucket, FallbackReason.EVICTED, f"max_cached_graphs={self.policy.max_cached_graphs} reached"
+                    )
                     continue
                 t0 = time.perf_counter()
                 try:
                     delta = self._capture_bucket(bucket)
                 except Exception as e:  # a failed capture costs that bucket only
-                    record.error = f"{type(e).__name__}: {e}"
-                    self.table.mark_missing(bucket, FallbackReason.CAPTURE_ERROR, record.error)
-                    self._drop(bucket)
+                    self._withdraw(bucket, FallbackReason.CAPTURE_ERROR, f"{type(e).__name__}: {e}")
                     log.warning("capture of bucket %d failed: %s", bucket, record.error)
                     continue
                 record.capture_s = time.perf_counter() - t0
                 record.memory_mb = delta / MB
                 if used + delta > budget:
-                    record.error = f"needs {delta / MB:.1f} MB; graph_memory_budget_mb={budget / MB:g} exceeded"
-                    self.table.mark_missing(bucket, FallbackReason.EVICTED, record.error)
-                    self._drop(bucket)
+                    detail = f"needs {delta / MB:.1f} MB; graph_memory_budget_mb={budget / MB:g} exceeded"
+                    self._withdraw(bucket, FallbackReason.EVICTED, detail)
                     continue
                 used += delta
                 self.table.mark_ready(bucket)
@@ -231,7 +229,10 @@ class GraphRunner:
             self._pool = None
         log.info("captured %d/%d decode buckets, %.1f MB", len(self.table.ready), len(self.table.buckets), used / MB)
 
-    def _drop(self, bucket: int) -> None:
+    def _withdraw(self, bucket: int, reason: FallbackReason, detail: str) -> None:
+        """The one way a bucket stops replaying: its table entry, record and graphs change together."""
+        self.table.mark_missing(bucket, reason, detail)
+        self.records.setdefault(bucket, BucketRecord(bucket)).error = detail
         self._replays.pop(bucket, None)
         for g in self._graphs.pop(bucket, []):
             g.reset()
@@ -334,8 +335,7 @@ class GraphRunner:
                 detail = f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
             else:
                 detail = f"non-finite logits: max |graph - eager| = {diff}"
-            self.table.mark_missing(bucket, FallbackReason.VERIFY_MISMATCH, detail)
-            self._drop(bucket)
+            self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, detail)
             log.warning("bucket %d failed verification: %s", bucket, detail)
 
     def agree(self) -> None:
@@ -356,8 +356,7 @@ class GraphRunner:
         for bucket, code in zip(self.table.buckets, worst.tolist()):
             if bucket in self.table.ready and code:
                 reason = reasons[code - 1]
-                self.table.mark_missing(bucket, reason, f"{reason.value} on another tensor-parallel rank")
-                self._drop(bucket)
+                self._withdraw(bucket, reason, f"{reason.value} on another tensor-parallel rank")
 
     def prepare(self, on_state: Callable[[EngineState], None] = lambda state: None) -> None:
         """Warm up, capture, (with TP) agree, verify and agree again, in the same order on every rank:
