@@ -11,6 +11,7 @@ item per token through the ingress hop would not keep up at high concurrency.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -91,12 +92,12 @@ class LLMReplica:
         await self._sync_toggles_logged()
         self._background = [asyncio.create_task(self._poll_toggles()), asyncio.create_task(self._report())]
         self.controller.notify("report", self.replica_id, self.status())
-        log.info("replica %s: %s", self.replica_id, self.engine_status["state"])
+        log.info("replica %s: %s", self.replica_id, self.engine_status.state)
 
     def status(self) -> dict:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
         if hasattr(self, "engine_status"):
-            status.update(self.engine_status, engine_restarts=self.engine.restarts)
+            status.update(self.engine_status.as_dict(), engine_restarts=self.engine.restarts)
         return status
 
     async def _sync_toggles(self) -> None:
@@ -135,9 +136,9 @@ class LLMReplica:
             self.engine_status = await self.engine.status()
         except Exception as e:
             state = EngineState.FAILED.value if self.engine.failure else "STARTING"
-            if self.engine_status["state"] != state:
+            if self.engine_status.state != state:
                 log.error("replica %s: engine %s: %r", self.replica_id, state, self.engine.failure or e)
-            self.engine_status = {**self.engine_status, "state": state}
+            self.engine_status = dataclasses.replace(self.engine_status, state=state)
 
     async def _poll_toggles(self) -> None:
         while True:
@@ -169,7 +170,7 @@ class LLMReplica:
                 prompt_ids = tokenize(self.tokenizer, request)
                 sampling = dict(request["sampling"])
                 sampling["max_tokens"] = fit_max_tokens(
-                    request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status["max_model_len"]
+                    request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status.max_model_len
                 )
                 first, stream = await self._first_event(prompt_ids, SamplingParams(**sampling), request_id, tenant)
             except InvalidRequest as e:

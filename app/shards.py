@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -24,7 +25,7 @@ from policies.restarts import RestartBudget
 from workers.async_engine import EngineDeadError, StreamEvent
 from workers.checkpoint import load_tokenizer
 from workers.default_model import default_model_dir
-from workers.engine import EngineConfig
+from workers.engine import EngineConfig, EngineStatus
 from workers.engine_process import EngineProcess
 from workers.sampling import SamplingParams
 from workers.shard import ShardWorker
@@ -69,7 +70,7 @@ class LocalEngine:
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.runner.set_graph_denial(request_id, reason)
 
-    async def status(self) -> dict:
+    async def status(self) -> EngineStatus:
         """The child's status within timeout_s; a child that does not answer in time is killed (and
         restarted like a dead one), and a dead one is restarted; both raise EngineDeadError."""
         try:
@@ -203,12 +204,12 @@ class ShardGroup:
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.rank0.set_graph_denial.remote(request_id, reason)
 
-    async def status(self) -> dict:
+    async def status(self) -> EngineStatus:
         status, shards = await asyncio.wait_for(
             asyncio.gather(self.rank0.status.remote(), asyncio.gather(*(s.shard_status.remote() for s in self.shards))),
             PING_TIMEOUT_S,
         )
-        return {**status, "shards": shards}
+        return dataclasses.replace(status, shards=shards)
 
     async def _dead_ranks(self) -> list[int]:
         alive = await asyncio.wait_for(asyncio.gather(*(s.alive.remote() for s in self.shards)), PING_TIMEOUT_S)

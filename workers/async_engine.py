@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine import LLMEngine, TokenEvent
+from workers.engine import EngineStatus, LLMEngine, TokenEvent
 from workers.sampling import InvalidRequest, SamplingParams
 from workers.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
 
@@ -277,7 +277,7 @@ class AsyncEngine(StreamFront):
         self._send((STOP, None))
         self._thread.join(timeout=10)
 
-    async def status(self) -> dict:
+    async def status(self) -> EngineStatus:
         return self.engine.status()
 
     def _send(self, command: Command) -> None:

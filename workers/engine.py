@@ -4,6 +4,7 @@ from a process of its own (`engine_process.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,27 @@ class EngineConfig:
     dtype: str | None = None  # None = the checkpoint's
     attention_backend: str = "sdpa"
     graph_policy: GraphPolicy = GraphPolicy()
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What an engine tells its replica (and operators) about itself: it crosses the engine
+    process's pipe and Ray as it is; `as_dict` is its JSON form for /admin/status and /metrics."""
+
+    state: str
+    max_model_len: int
+    model_revision: str
+    attention_backend: str
+    buckets: dict[str, dict]
+    compile_s: float
+    stats: dict
+    shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if self.shards is None:
+            del out["shards"]
+        return out
 
 
 @dataclass
@@ -144,17 +166,17 @@ class LLMEngine:
         model, tokenizer, eos, revision = load_for_engine(config, resolve_device(config.device))
         return cls(model, config, eos, revision), tokenizer
 
-    def status(self) -> dict:
+    def status(self) -> EngineStatus:
         """What operators see per replica: state, revision, backend, buckets, counters."""
-        return {
-            "state": self.state.value,
-            "max_model_len": self.max_model_len,
-            "model_revision": self.revision,
-            "attention_backend": self.model.attention_backend.name,
-            "buckets": self.runner.report(),
-            "compile_s": self.runner.compile_s,
-            "stats": self.stats.snapshot(),
-        }
+        return EngineStatus(
+            state=self.state.value,
+            max_model_len=self.max_model_len,
+            model_revision=self.revision,
+            attention_backend=self.model.attention_backend.name,
+            buckets=self.runner.report(),
+            compile_s=self.runner.compile_s,
+            stats=self.stats.snapshot(),
+        )
 
     def _set_state(self, state: EngineState) -> None:
         self.state = state

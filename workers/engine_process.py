@@ -27,7 +27,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from workers.async_engine import STOP, Command, EngineDeadError, StreamFront, run_step_loop
-from workers.engine import EngineConfig, LLMEngine
+from workers.engine import EngineConfig, EngineStatus, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class EngineProcess(StreamFront):
     def pid(self) -> int:
         return self.process.pid
 
-    async def status(self, timeout_s: float | None = None) -> dict:
+    async def status(self, timeout_s: float | None = None) -> EngineStatus:
         """The engine's status, answered by the child between two steps; TimeoutError when it does
         not answer within timeout_s (a wedged child)."""
         reply: concurrent.futures.Future = concurrent.futures.Future()

@@ -16,7 +16,7 @@ import torch
 
 from policies.dispatch import FallbackReason
 from workers.async_engine import AsyncEngine, StreamEvent
-from workers.engine import EngineConfig, LLMEngine, load_for_engine, prepare_model, resolve_device
+from workers.engine import EngineConfig, EngineStatus, LLMEngine, load_for_engine, prepare_model, resolve_device
 from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache
 from workers.model import LlamaModel
@@ -90,5 +90,5 @@ class ShardWorker:
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.engine.set_graph_denial(request_id, reason)
 
-    def status(self) -> dict:
+    def status(self) -> EngineStatus:
         return self.engine.engine.status()

@@ -41,8 +41,8 @@ def test_engine_process_replays_graphs_and_matches_eager(tmp_path, monkeypatch):
             engine.shutdown()
 
     outputs, status = asyncio.run(via_child())
-    assert status["state"] == "READY" and all(b["ready"] for b in status["buckets"].values())
-    modes = {p["execution_mode"] for p in status["stats"]["decode_step_parts"]}
+    assert status.state == "READY" and all(b["ready"] for b in status.buckets.values())
+    modes = {p["execution_mode"] for p in status.stats["decode_step_parts"]}
     assert modes == {"cuda_graph"}
 
     eager, _ = LLMEngine.from_config(EngineConfig(max_num_seqs=8, max_model_len=256, device="cuda",

@@ -24,8 +24,8 @@ def test_shard_actor_tp1_captures_and_matches_eager(tmp_path, monkeypatch):
         config = EngineConfig(max_num_seqs=8, max_model_len=256, device="cuda")
         group = ShardGroup(config, world_size=1, num_gpus=1, num_cpus=1, timeout_s=30)
         status = ray.get(group.rank0.status.remote())
-        assert status["state"] == "READY"
-        assert all(b["ready"] for b in status["buckets"].values())
+        assert status.state == "READY"
+        assert all(b["ready"] for b in status.buckets.values())
 
         prompts = [[256, 72, 101, 108, 108, 111], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9], [256, 200]]
         params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -47,7 +47,7 @@ def test_shard_actor_tp1_captures_and_matches_eager(tmp_path, monkeypatch):
         while eager.has_work():
             eager.step()
         assert via_actor == [s.output_ids for s in seqs]
-        parts = ray.get(group.rank0.status.remote())["stats"]["decode_step_parts"]
+        parts = ray.get(group.rank0.status.remote()).stats["decode_step_parts"]
         assert {p["execution_mode"] for p in parts} == {"cuda_graph"}
     finally:
         ray.shutdown()

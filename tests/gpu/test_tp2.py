@@ -78,10 +78,10 @@ def test_tp2_graphs_on_both_ranks_match_eager_and_tp1(ray_two_gpus, monkeypatch)
         results[mode] = {bs: sharded_tokens(group, prompts) for bs, prompts in BATCHES.items()}
         status = asyncio.run(group.status())
         if mode == "full":
-            assert [s["rank"] for s in status["shards"]] == [0, 1]
-            for shard in status["shards"]:
+            assert [s["rank"] for s in status.shards] == [0, 1]
+            for shard in status.shards:
                 assert all(b["ready"] for b in shard["buckets"].values()), shard
-            modes = {p["execution_mode"] for p in status["stats"]["decode_step_parts"]}
+            modes = {p["execution_mode"] for p in status.stats["decode_step_parts"]}
             assert modes == {"cuda_graph"}
         for shard in group.shards:
             ray.kill(shard)

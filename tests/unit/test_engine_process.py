@@ -89,11 +89,11 @@ async def test_streams_match_the_in_process_engine(tiny, shared):
 
 async def test_status_comes_from_the_child(shared):
     """status() is the child's engine status; its counters move with the tokens streamed."""
-    before = (await shared.status())["stats"]
+    before = (await shared.status()).stats
     ids, *_ = await drain(shared.submit([BOS, 1, 2], SamplingParams(max_tokens=9, ignore_eos=True)))
     after = await shared.status()
-    assert after["state"] == "READY" and after["max_model_len"] == 64
-    assert after["stats"]["generated_tokens"] - before["generated_tokens"] == len(ids) == 9
+    assert after.state == "READY" and after.max_model_len == 64
+    assert after.stats["generated_tokens"] - before["generated_tokens"] == len(ids) == 9
 
 
 async def test_coalesced_reads_gather_tokens_and_end_at_once(shared):
@@ -118,7 +118,7 @@ async def test_closing_a_stream_frees_its_slot_in_the_child(tiny):
         await stream.aclose()
         ids, _, reason, _ = await asyncio.wait_for(drain(engine.submit([BOS, 6], SamplingParams(max_tokens=2))), 30)
         assert reason in ("length", "stop")
-        finished = (await engine.status())["stats"]["finished_requests"]
+        finished = (await engine.status()).stats["finished_requests"]
         assert finished.get("abort") == 1
     finally:
         engine.shutdown()

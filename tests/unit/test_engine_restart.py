@@ -105,7 +105,7 @@ async def test_status_that_timed_out_leaves_the_reader_working(tiny):
             await process.status(0.5)
         os.kill(process.pid, signal.SIGCONT)
         status = await process.status(10)
-        assert status["state"] == "READY" and process.alive
+        assert status.state == "READY" and process.alive
         assert await generate(process, "still-serving")
     finally:
         process.shutdown()
