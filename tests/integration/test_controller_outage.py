@@ -11,7 +11,7 @@ import ray
 from ray import serve
 
 from app.controller import GraphController
-from tests.integration.helpers import running_app, wait_for
+from tests.integration.helpers import running_app, settled, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 APP = "outage"
@@ -51,6 +51,11 @@ def generate(tenant: str) -> list[dict]:
     return list(llm_handle().options(stream=True).generate.remote(payload))
 
 
+def disabled_rows() -> int:
+    parts = llm_handle().status.remote().result(timeout_s=30)["stats"]["decode_step_parts"]
+    return sum(p["rows"] for p in parts if p["fallback_reason"] == "tenant_disabled")
+
+
 def fallback_rate() -> dict[str, float]:
     return llm_handle().status.remote().result(timeout_s=30)["stats"]["fallback_rate"]
 
@@ -75,10 +80,11 @@ def test_replica_syncs_once_the_controller_is_back(server):
                         headers=server.admin_headers())  # fmt: skip
     assert r.status_code == 200, r.text
 
+    before = settled(disabled_rows)  # only tenant-a decodes from here on
+
     def tenant_a_decoded_eagerly() -> bool:
-        """tenant-a's rows raise the tenant_disabled share only once the replica applied the toggle."""
-        before = fallback_rate().get("tenant_disabled", 0)
+        """tenant-a's rows count as tenant_disabled only once the replica applied the toggle."""
         generate("tenant-a")
-        return fallback_rate().get("tenant_disabled", 0) > before
+        return disabled_rows() > before
 
     wait_for(tenant_a_decoded_eagerly, 30, interval=0.5, what="the replica to apply the real controller's toggle")
