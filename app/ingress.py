@@ -4,6 +4,7 @@ metrics. Stateless: tenant toggles live in the controller, engines in the replic
 import asyncio
 import json
 import logging
+import math
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -76,6 +77,18 @@ async def _json_body(request: Request) -> dict | JSONResponse:
 
 def _sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+def finite(value):
+    """The value with every NaN or infinity made null: JSON has no such numbers, and a status that
+    holds one (a failed graph's verify diff, say) must still render, not answer 500."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 _REPLICA_GONE = {"error": "the replica serving this request failed; retry the request", "status": 503}
@@ -267,7 +280,7 @@ class Ingress:
         statuses, (_, toggles) = await asyncio.gather(
             self.controller.call("replica_statuses"), self.controller.call("get_toggles")
         )
-        return JSONResponse({"model": self.model_name, "tenants": toggles, "replicas": statuses})
+        return JSONResponse(finite({"model": self.model_name, "tenants": toggles, "replicas": statuses}))
 
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:
