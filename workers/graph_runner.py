@@ -62,6 +62,16 @@ def initial_table(policy: GraphPolicy, cuda: bool, graph_support: GraphSupport) 
     return table
 
 
+def allow_compiled_shapes(shapes: int) -> None:
+    """Room for `shapes` more compiled shapes of the decode step in this process. Dynamo keeps at most
+    `recompile_limit` compiled versions of one function (8 by default, shared by every runner in the
+    process) and past it runs the function uncompiled without saying so: a bucket ladder of more than
+    8 would silently lose its compilation. Raised by each runner's own buckets, and past it dynamo
+    raises instead, so a bucket either runs compiled or startup fails."""
+    torch._dynamo.config.recompile_limit += shapes
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 class GraphRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, policy: GraphPolicy) -> None:
         self.model = model
@@ -83,6 +93,7 @@ class GraphRunner:
         self.compiled = False
         if policy.compile and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             # Inductor's own cudagraphs stay off: this runner does the capturing.
+            allow_compiled_shapes(len(policy.decode_batch_buckets))
             self.step_fn = torch.compile(model.decode, dynamic=False, options={"triton.cudagraphs": False})
             self.compiled = True
         max_rows = max(policy.decode_batch_buckets)
