@@ -24,7 +24,3 @@ class RestartBudget:
             return False
         self._starts.append(now)
         return True
-
-    def used(self, now: float) -> int:
-        """Restarts counted within the window ending at `now`."""
-        return sum(1 for t in self._starts if now - t < self.window_s)

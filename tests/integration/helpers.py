@@ -231,6 +231,15 @@ def running_app(
             ray.shutdown()
 
 
+@contextlib.contextmanager
+def openai_client(server: Server, tenant: str = "tenant-a") -> Iterator[Any]:
+    """The real `openai` client against the app, as a tenant, without retries (a test sees every answer)."""
+    import openai
+
+    with openai.OpenAI(base_url=server.v1, api_key=API_KEYS[tenant], max_retries=0, timeout=60) as client:
+        yield client
+
+
 def sse_events(lines: list[str]) -> list[str]:
     """The `data:` payloads of an SSE stream, in order."""
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]

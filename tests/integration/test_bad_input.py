@@ -17,7 +17,7 @@ import pytest
 
 from app.openai_protocol import STOP_MAX_CHARS
 from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
-from tests.integration.helpers import API_KEYS, assert_openai_error, running_app
+from tests.integration.helpers import assert_openai_error, openai_client, running_app
 from workers.default_model import TINY_SEED, build_byte_tokenizer, tiny_hf_config, write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,7 +40,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.v1, api_key=API_KEYS["tenant-a"], max_retries=0, timeout=60) as c:
+    with openai_client(server) as c:
         yield c
 
 

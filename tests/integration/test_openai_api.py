@@ -19,6 +19,7 @@ from tests.integration.helpers import (
     API_KEYS,
     assert_openai_error,
     json_events,
+    openai_client,
     running_app,
     settled,
     sse_events,
@@ -41,7 +42,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.v1, api_key=API_KEYS["tenant-a"], max_retries=0, timeout=60) as c:
+    with openai_client(server) as c:
         yield c
 
 
