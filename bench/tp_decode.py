@@ -56,10 +56,10 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
         config = EngineConfig(max_num_seqs=max(args.batch_sizes), max_model_len=model.max_model_len,
                               graph_policy=GraphPolicy(mode=mode))  # fmt: skip
         if rank > 0:
-            runner, cache = prepare_follower(model, config)
-            follow(StepChannel(tp, device), model, runner, cache)
+            runner = prepare_follower(model, config)
+            follow(StepChannel(tp, device), runner)
             results.put(dict(rank=rank, mode=mode, buckets=runner.report()))
-            del runner, cache
+            del runner
         else:
             channel = TimedChannel(tp, device) if world > 1 else None
             engine = LLMEngine(model, config, channel=channel)

@@ -17,17 +17,22 @@ class GraphPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["full", "piecewise", "eager"] = "full"
-    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    decode_batch_buckets: tuple[int, ...] | None = None  # None: `default_buckets(max_num_seqs)`
     capture_prefill: Literal[False] = Field(False, description="prefill always runs eager (not captured)")
-    max_cached_graphs: int = Field(6, ge=0)
+    max_cached_graphs: int | None = Field(None, ge=0)  # None: every bucket
     graph_memory_budget_mb: float = Field(2048, ge=0)
     fallback_mode: Literal["eager"] = "eager"
     capture_on_startup: bool = True
     compile: bool = False
+    # Inductor's on-disk cache (compiled kernels, autotuning): a restart that finds it there skips
+    # most of compile's cost. On Kubernetes, a volume. None: inductor's default under /tmp.
+    compile_cache_dir: str | None = None
 
     @field_validator("decode_batch_buckets")
     @classmethod
-    def _buckets_ascending(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+    def _buckets_ascending(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return v
         if not v:
             raise ValueError("needs at least one bucket")
         if any(b < 1 for b in v):
@@ -41,6 +46,18 @@ class GraphPolicy(BaseModel):
         if self.compile and self.mode != "full":
             raise ValueError("compile: true needs mode: full (piecewise pieces are not compiled)")
         return self
+
+    def buckets(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The decode batch sizes to capture for a batch limit of max_num_seqs."""
+        return self.decode_batch_buckets or default_buckets(max_num_seqs)
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 to 64, then every 32, up to and including max_num_seqs. Padding a
+    batch up to its bucket costs little where a step reads mostly weights (small batches) and more
+    where it computes (large ones), so buckets are dense at the small end; 256 needs 17 graphs."""
+    ladder = [1, 2, 4, *range(8, 64, 8), *range(64, max_num_seqs, 32)]
+    return (*[b for b in ladder if b < max_num_seqs], max_num_seqs)
 
 
 def load_policy(source: str | Path | dict[str, Any] | None) -> GraphPolicy:

@@ -1,10 +1,14 @@
-"""Decode attention backends. Each declares how far it can be captured in a CUDA graph.
+"""Decode attention backends over the paged KV cache. Each declares how far it can be captured.
 
-- `sdpa`: gathers each row's slot and masks by length over the full max_model_len. Fixed shapes and
-  no host sync, so the whole decode step, attention included, can be captured (support `full`).
-- `sdpa_varlen`: reads keys only up to the longest sequence in the batch. Less memory traffic for
-  short sequences, but the length is read on the host each step, so attention itself cannot be
-  captured: it runs eager between captured pieces (support `piecewise`).
+- `triton`: a split-KV Triton kernel over the block table (`paged_attention.py`) that reads only each
+  row's live keys. Fixed launch shape and no host sync, so the whole step is captured (`full`). CUDA.
+- `sdpa`: gathers each row's whole block table (max_model_len positions) and masks by length. Fixed
+  shapes, no host sync (`full`), but its cost follows max_model_len, not the live context. Runs
+  anywhere: the CPU path, and the reference the kernel is checked against.
+- `sdpa_varlen`: gathers pages only up to the longest row of the batch; that length is read on the
+  host each step, so attention itself cannot be captured and runs eager between captured pieces
+  (`piecewise`).
+`auto` picks `triton` where it can run and `sdpa` elsewhere.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from workers import paged_attention
+from workers.kv_cache import KVCache, pages_needed
+
 GraphSupport = Literal["full", "piecewise", "none"]
 
 
-def visible_mask(kv_index: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(rows, 1, 1, len): key position j is visible to a row at position p when j <= p (and within
-    the sliding window, if any)."""
+def visible_mask(num_keys: int, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(rows, 1, 1, num_keys): key position j is visible to a row at position p when j <= p (and
+    within the sliding window, if any)."""
+    kv_index = torch.arange(num_keys, device=positions.device)
     visible = kv_index[None, :] <= positions[:, None]
     if window:
         visible &= kv_index[None, :] > positions[:, None] - window
@@ -33,36 +41,56 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return out.reshape(rows, -1)
 
 
+class TritonDecode:
+    name = "triton"
+    graph_support: GraphSupport = "full"
+
+    def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        return positions + 1  # live lengths
+
+    def __call__(self, q, cache: KVCache, layer: int, slot_ids, lengths, window: int | None) -> torch.Tensor:
+        return paged_attention.paged_decode(
+            q, cache.k[layer], cache.v[layer], cache.block_table, slot_ids, lengths, window
+        )
+
+
 class SdpaDecode:
     name = "sdpa"
     graph_support: GraphSupport = "full"
 
-    def prepare(self, kv_index: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        return visible_mask(kv_index, positions, window)
+    def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        return visible_mask(cache.max_pages * cache.page_size, positions, window)
 
-    def __call__(self, q, k_layer, v_layer, slot_ids, meta) -> torch.Tensor:
-        return _attend(q, k_layer.index_select(0, slot_ids), v_layer.index_select(0, slot_ids), meta)
+    def __call__(self, q, cache: KVCache, layer: int, slot_ids, mask, window: int | None) -> torch.Tensor:
+        return _attend(q, *cache.gather(layer, slot_ids, cache.max_pages), mask)
 
 
 class SdpaVarlenDecode:
     name = "sdpa_varlen"
     graph_support: GraphSupport = "piecewise"
 
-    def prepare(self, kv_index: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        n = int(positions.max()) + 1  # host sync: the longest row decides how far keys are read
-        return visible_mask(kv_index[:n], positions, window)
+    def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        longest = int(positions.max()) + 1  # host sync: the longest row decides how many pages are read
+        return visible_mask(pages_needed(longest, cache.page_size) * cache.page_size, positions, window)
 
-    def __call__(self, q, k_layer, v_layer, slot_ids, meta) -> torch.Tensor:
-        n = meta.shape[-1]
-        keys = k_layer[:, :, :n].index_select(0, slot_ids)
-        values = v_layer[:, :, :n].index_select(0, slot_ids)
-        return _attend(q, keys, values, meta[..., :n])
+    def __call__(self, q, cache: KVCache, layer: int, slot_ids, mask, window: int | None) -> torch.Tensor:
+        return _attend(q, *cache.gather(layer, slot_ids, mask.shape[-1] // cache.page_size), mask)
 
 
-BACKENDS = {b.name: b for b in (SdpaDecode, SdpaVarlenDecode)}
+BACKENDS = {b.name: b for b in (TritonDecode, SdpaDecode, SdpaVarlenDecode)}
 
 
-def make_backend(name: str):
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """`auto` -> the fastest backend this device runs; any other name as it is."""
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" and paged_attention.available() else "sdpa"
+
+
+def make_backend(name: str, device: torch.device):
+    name = resolve_backend_name(name, device)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(BACKENDS)}")
+    if name == "triton" and not (device.type == "cuda" and paged_attention.available()):
+        raise ValueError("attention backend 'triton' needs CUDA and triton; use 'auto' or 'sdpa'")
     return BACKENDS[name]()

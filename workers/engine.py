@@ -13,12 +13,14 @@ import torch
 
 from policies.dispatch import EngineState, FallbackReason, split_by_permission
 from policies.graph_policy import GraphPolicy
+from policies.kv_blocks import BlockManager
 from workers.attention import make_backend
 from workers.checkpoint import load_model, load_tokenizer, model_revision
 from workers.config import DTYPES, load_config
 from workers.default_model import default_model_dir
 from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache
+from workers.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
 from workers.model import LlamaModel
 from workers.parallel import TPGroup
 from workers.sampling import SamplingParams, sample
@@ -27,18 +29,28 @@ from workers.stats import EngineStats
 from workers.step_inputs import DecodeInputs, PrefillInputs
 from workers.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
 
+MB = 1 << 20
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None = the embedded tiny default
-    max_num_seqs: int = 32
+    max_num_seqs: int | None = None  # the batch limit; None = 256 on CUDA, 32 on CPU
     max_model_len: int = 2048  # capped at the model's max_position_embeddings
     max_waiting: int = 1024
     max_prefill_tokens: int = 8192
     device: str = "auto"  # auto = cuda when present
     dtype: str | None = None  # None = the checkpoint's
-    attention_backend: str = "sdpa"
+    attention_backend: str = "auto"  # auto = triton on CUDA, sdpa elsewhere (`attention.py`)
+    kv_page_size: int = 16  # token positions per KV page
+    kv_cache_tokens: int | None = None  # the KV pool's size in tokens; None = from free memory
+    kv_cache_memory_fraction: float = 0.9  # of the device memory free after weights (`kv_sizing.py`)
     graph_policy: GraphPolicy = GraphPolicy()
+
+    def batch_limit(self, device: torch.device) -> int:
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return 256 if device.type == "cuda" else 32
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,8 @@ class EngineStatus:
     buckets: dict[str, dict]
     compile_s: float
     stats: dict
+    memory_mb: dict[str, float]  # weights, kv_pool, graphs: this rank's device memory, apart
+    kv_cache: dict[str, int]  # page_size, pages, pages_free, max_num_seqs, preemptions
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
 
     def as_dict(self) -> dict:
@@ -81,9 +95,17 @@ def resolve_device(name: str) -> torch.device:
 
 def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     """What every rank does to a loaded model before capture: pick the attention backend and
-    allocate the KV cache."""
-    model.attention_backend = make_backend(config.attention_backend)
-    return model.make_kv_cache(config.max_num_seqs)
+    allocate the paged KV pool (sized by `kv_sizing.py`, the same on every rank)."""
+    device = model.embed.weight.device
+    model.attention_backend = make_backend(config.attention_backend, device)
+    max_num_seqs = config.batch_limit(device)
+    policy = config.graph_policy
+    graph_reserve = int(policy.graph_memory_budget_mb * MB) if policy.mode != "eager" else 0
+    num_pages = plan_num_pages(
+        model, max_num_seqs, config.kv_page_size, config.kv_cache_tokens, config.kv_cache_memory_fraction,
+        config.max_prefill_tokens, graph_reserve,
+    )  # fmt: skip
+    return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
 
 
 def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | None = None):
@@ -122,11 +144,12 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.cache = prepare_model(model, config)
         self.scheduler = Scheduler(
-            config.max_num_seqs,
+            self.cache.num_slots,
             self.max_model_len,
             config.max_waiting,
             config.max_prefill_tokens,
             vocab_size=model.cfg.vocab_size,
+            blocks=BlockManager(self.cache.num_pages, self.cache.page_size, reserved=1),
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
         self.runner = GraphRunner(model, self.cache, config.graph_policy)
@@ -146,16 +169,12 @@ class LLMEngine:
         kernels not used before (both measured in `bench/results/prefill_shapes_h200.md`): a ladder
         of sizes up to the largest prefill moves that cost from the first requests to startup.
         Greedy and filtered sampling run once each for the same reason."""
-        sizes = [16]
-        if self.device.type == "cuda":
-            largest = max(self.config.max_prefill_tokens, self.max_model_len)
-            while sizes[-1] < largest:
-                sizes.append(min(2 * sizes[-1], largest))
-        for n in sizes:
-            lens = [min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)]
+        ladder = prefill_sizes(self.config.max_prefill_tokens, self.max_model_len)
+        for lens in ladder if self.device.type == "cuda" else ladder[:1]:
+            n = sum(lens)
             batch = PrefillInputs([0] * n, [p for m in lens for p in range(m)], [self.cache.scratch_slot] * n, lens)
             self._send(PREFILL, batch)
-            logits = self.model.prefill(*batch.to_device(self.device), lens, self.cache)
+            logits = self.runner.prefill(batch)
         rows = len(lens)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
             sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
@@ -176,6 +195,18 @@ class LLMEngine:
             buckets=self.runner.report(),
             compile_s=self.runner.compile_s,
             stats=self.stats.snapshot(),
+            memory_mb={
+                "weights": sum(t.nbytes for t in self.model.parameters()) / MB,
+                "kv_pool": self.cache.nbytes / MB,
+                "graphs": self.runner.graph_memory_mb(),
+            },
+            kv_cache={
+                "page_size": self.cache.page_size,
+                "pages": self.cache.num_pages - 1,
+                "pages_free": self.scheduler.blocks.num_free,
+                "max_num_seqs": self.cache.num_slots,
+                "preemptions": self.scheduler.num_preempted,
+            },
         )
 
     def _set_state(self, state: EngineState) -> None:
@@ -225,32 +256,36 @@ class LLMEngine:
             start = time.perf_counter()
             self._prefill(admitted, events)
             self.stats.record_busy("prefill", time.perf_counter() - start)
+        if self.scheduler.running:
+            self.scheduler.reserve_decode()  # may preempt the newest: they wait to be prefilled again
         batch = list(self.scheduler.running.values())
         if batch:
             start = time.perf_counter()
-            self._decode(batch, events)
+            self._decode(batch, events, self.scheduler.take_edits())
             self.stats.record_busy("decode", time.perf_counter() - start)
         return list(events.values())
 
     def _prefill(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
-        batch = PrefillInputs.of(seqs)
+        batch = PrefillInputs.of(seqs, self.scheduler.take_edits())
         self._send(PREFILL, batch)
-        logits = self.model.prefill(*batch.to_device(self.device), batch.lens, self.cache)
+        logits = self.runner.prefill(batch)
         self._accept(seqs, logits, events)
         self.stats.record_prefill(len(seqs), len(batch.tokens))
 
-    def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
+    def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent], pages: list[int]) -> None:
         """One token for every running sequence. Rows whose request may not use graphs run eager
-        in a second call; the others still replay (they are not dragged to eager)."""
+        in a second call; the others still replay (they are not dragged to eager). The step's
+        block-table edits go with its first model call."""
         allowed, denied = split_by_permission([s.graph_denial for s in seqs])
         if not denied:
-            logits = self._decode_rows(seqs)
+            logits = self._decode_rows(seqs, pages)
         else:
             logits = torch.empty(len(seqs), self.model.cfg.vocab_size, device=self.device)
             if allowed:
-                logits[allowed] = self._decode_rows([seqs[i] for i in allowed]).float()
+                logits[allowed] = self._decode_rows([seqs[i] for i in allowed], pages).float()
+                pages = []
             rows = [i for group in denied.values() for i in group]
-            batch = DecodeInputs.of([seqs[i] for i in rows])
+            batch = DecodeInputs.of([seqs[i] for i in rows], pages)
             self._send(EAGER, batch)
             logits[rows] = self.runner.eager(batch).float()
             for reason, group in denied.items():
@@ -258,8 +293,8 @@ class LLMEngine:
         self._accept(seqs, logits, events)
         self.stats.record_decode(len(seqs))
 
-    def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
-        batch = DecodeInputs.of(seqs)
+    def _decode_rows(self, seqs: list[Sequence], pages: list[int]) -> torch.Tensor:
+        batch = DecodeInputs.of(seqs, pages)
         self._send(DECODE, batch)
         logits, d = self.runner.decode(batch)
         reason = d.reason.value if d.reason else "none"

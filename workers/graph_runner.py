@@ -19,6 +19,7 @@ import contextlib
 import gc
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,12 +29,13 @@ import torch
 from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason
 from policies.graph_policy import GraphPolicy
 from workers.attention import GraphSupport
-from workers.kv_cache import KVCache
+from workers.kv_cache import KVCache, pages_needed
 from workers.model import LlamaModel
-from workers.step_inputs import DecodeInputs
+from workers.step_inputs import DecodeInputs, PrefillInputs
 
 log = logging.getLogger(__name__)
 MB = 1 << 20
+PROBE_PAGES = 3  # pages of context per probe slot: enough to cross two page boundaries
 
 
 @dataclass
@@ -45,11 +47,13 @@ class BucketRecord:
     error: str | None = None
 
 
-def initial_table(policy: GraphPolicy, cuda: bool, graph_support: GraphSupport) -> BucketTable:
+def initial_table(
+    policy: GraphPolicy, buckets: tuple[int, ...], cuda: bool, graph_support: GraphSupport
+) -> BucketTable:
     """The bucket table a runner starts from, before any capture: what the device, the policy and the
     attention backend allow, in that order of precedence."""
     mode = ExecutionMode.PIECEWISE if policy.mode == "piecewise" else ExecutionMode.CUDA_GRAPH
-    table = BucketTable(policy.decode_batch_buckets, mode)
+    table = BucketTable(buckets, mode)
     if not cuda:
         table.global_reason = FallbackReason.UNAVAILABLE
     elif policy.mode == "eager" or not policy.capture_on_startup:
@@ -79,7 +83,8 @@ class GraphRunner:
         self.policy = policy
         self.backend = model.attention_backend
         self.device = model.embed.weight.device
-        self.table = initial_table(policy, self.device.type == "cuda", self.backend.graph_support)
+        buckets = policy.buckets(cache.num_slots)  # a cache has one slot per sequence of a batch
+        self.table = initial_table(policy, buckets, self.device.type == "cuda", self.backend.graph_support)
         if self.table.global_reason == FallbackReason.BACKEND_UNSUPPORTED:
             log.warning("attention backend %s cannot run under CUDA graphs: decoding eager", self.backend.name)
         elif self.table.downgrade_reason == FallbackReason.BACKEND_UNSUPPORTED:
@@ -93,10 +98,12 @@ class GraphRunner:
         self.compiled = False
         if policy.compile and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             # Inductor's own cudagraphs stay off: this runner does the capturing.
-            allow_compiled_shapes(len(policy.decode_batch_buckets))
+            allow_compiled_shapes(len(buckets))
+            if policy.compile_cache_dir:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = policy.compile_cache_dir  # read by inductor at each use
             self.step_fn = torch.compile(model.decode, dynamic=False, options={"triton.cudagraphs": False})
             self.compiled = True
-        max_rows = max(policy.decode_batch_buckets)
+        max_rows = max(buckets)
         self.inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=self.device)
         self._host = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
 
@@ -111,17 +118,24 @@ class GraphRunner:
         dispatch = self.table.dispatch(batch.rows)
         if dispatch.mode == ExecutionMode.EAGER:
             return self.eager(batch), dispatch
+        self.cache.set_pages(batch.pages)
         self._load(batch, dispatch.bucket)
         return self._replays[dispatch.bucket]()[: batch.rows], dispatch
 
     def eager(self, batch: DecodeInputs) -> torch.Tensor:
+        self.cache.set_pages(batch.pages)
         return self.model.decode(*batch.to_device(self.device), self.cache)
+
+    def prefill(self, batch: PrefillInputs) -> torch.Tensor:
+        """Prefill always runs eager; here so every rank makes each model call the same one way."""
+        self.cache.set_pages(batch.pages)
+        return self.model.prefill(*batch.to_device(self.device), batch.lens, self.cache)
 
     def _load(self, batch: DecodeInputs, bucket: int) -> None:
         """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
         n = batch.rows
         host = self._host[:, :bucket]
-        host[:, :n] = torch.tensor(batch)
+        host[:, :n] = torch.tensor(batch[:3])
         host[:2, n:] = 0
         host[2, n:] = self.cache.scratch_slot
         self.inputs[:, :bucket].copy_(host, non_blocking=True)
@@ -141,56 +155,77 @@ class GraphRunner:
     def probe(self, bucket: int, seed: int) -> DecodeInputs:
         """A verification batch whose rows differ in what a graph could mix up: row i decodes a random
         token in a real slot (distinct slots in shuffled order while there are enough; rows beyond
-        num_slots share them) at a distinct position of 1..n, so no two rows share a length or a
-        (slot, position). n = min(bucket, max_model_len - 2) keeps one position past every row
-        inside the cache (`_probe_kv`); rows past n, if any, pad like `_load`'s padding rows. The
-        same on every rank: it depends only on the bucket, the seed and the cache's shape."""
+        num_slots share them) at a position of 1..span-2, distinct while there are that many rows,
+        so lengths differ and cross page boundaries. Each probe slot gets `span` positions' worth
+        of pages drawn at random from the whole pool (scattered, as a long-running server leaves
+        them), set by the batch's block-table edits. span = min(n + 2, PROBE_PAGES pages) keeps the
+        probe's KV small at large buckets; rows past n (a pool or max_model_len too small for
+        more), if any, pad like `_load`'s padding rows. The same on every rank: it depends only
+        on the bucket, the seed and the cache's shape."""
+        cache = self.cache
         g = torch.Generator().manual_seed(seed)
-        n = max(0, min(bucket, self.cache.max_model_len - 2))
+        n = max(0, min(bucket, cache.max_model_len - 2))
+        while n and min(n, cache.num_slots) * pages_needed(self._probe_span(n), cache.page_size) > cache.num_pages - 1:
+            n -= 1
+        span = self._probe_span(n)
         tokens = torch.randint(0, self.model.cfg.vocab_size, (n,), generator=g).tolist()
-        positions = (torch.randperm(n, generator=g) + 1).tolist()
-        order = torch.randperm(self.cache.num_slots, generator=g).tolist()
+        positions = (torch.randperm(n, generator=g) % max(1, span - 2) + 1).tolist()
+        order = torch.randperm(cache.num_slots, generator=g).tolist()
         slots = [order[i % len(order)] for i in range(n)]
+        per_slot = pages_needed(span, cache.page_size)
+        real = order[: min(n, cache.num_slots)]
+        pool = (torch.randperm(cache.num_pages - 1, generator=g) + 1)[: len(real) * per_slot].tolist()
+        pages = [v for j, slot in enumerate(real) for k in range(per_slot) for v in (slot, k, pool[j * per_slot + k])]
         pad = bucket - n
-        return DecodeInputs(tokens + [0] * pad, positions + [0] * pad, slots + [self.cache.scratch_slot] * pad)
+        return DecodeInputs(tokens + [0] * pad, positions + [0] * pad, slots + [cache.scratch_slot] * pad, pages)
+
+    def _probe_span(self, rows: int) -> int:
+        return min(rows + 2, PROBE_PAGES * self.cache.page_size)
 
     @contextlib.contextmanager
-    def _probe_kv(self, slots: list[int], positions: list[int], seed: int) -> Iterator[Callable[[], None]]:
-        """Random K/V for the probe rows to attend to, put back as they were on exit.
+    def _probe_kv(self, batch: DecodeInputs, seed: int) -> Iterator[Callable[[], None]]:
+        """Point the probe slots at the probe's pages, filled with random K/V for the rows to attend
+        to; the pages' contents and the slots' block-table rows are put back as they were on exit.
 
-        The region is positions 0..max(positions) + 1 of every real probe slot, in every layer: each
-        row's context, its own write and the position past it (so a mask that sees one position too
-        many or too few changes the output), and also where a graph that mixes rows with slots or is
-        one position off would write, so those writes are undone too. Yields `reset`, which fills
-        the region with the same random K/V again, so eager and replay start from one state. For
-        a probe of n rows that is min(n, num_slots) x (n + 2) positions a layer, held twice (what
-        was there, and the random fill) while one bucket is verified."""
-        real = sorted({s for s in slots if s != self.cache.scratch_slot})
+        Each probe slot's pages hold its rows' context, their own writes and the position past them
+        (so a mask that sees one position too many or too few changes the output), and also where a
+        graph that mixes rows with slots or is one position off would write, so those writes are
+        undone too. Yields `reset`, which fills the pages with the same random K/V again, so eager
+        and replay start from one state. The pages' old contents are held while one bucket is
+        verified: at most PROBE_PAGES pages per probe slot."""
+        cache = self.cache
+        real = sorted({s for s in batch.slots if s != cache.scratch_slot})
         if not real:
             yield lambda: None
             return
-        index = torch.tensor(real, device=self.device)
-        span = max(positions) + 2
-        layers = (self.cache.k, self.cache.v)
-        saved = [c[:, index, :, :span] for c in layers]  # advanced indexing: copies
-        g = torch.Generator(self.device).manual_seed(seed)
-        fill = [torch.randn(s.shape, generator=g, dtype=s.dtype, device=self.device) for s in saved]
+        rows = torch.tensor(real, device=self.device)
+        pages = torch.tensor(batch.pages[2::3], device=self.device)
+        saved_rows = cache.block_table[rows].clone()
+        layers = (cache.k, cache.v)
+        saved = [c[:, pages] for c in layers]  # advanced indexing: copies
+        cache.set_pages(batch.pages)
 
         def reset() -> None:
-            for c, f in zip(layers, fill):
-                c[:, index, :, :span] = f
+            g = torch.Generator(self.device).manual_seed(seed)
+            for c, s in zip(layers, saved):
+                c[:, pages] = torch.randn(s.shape, generator=g, dtype=s.dtype, device=self.device)
 
         try:
             yield reset
         finally:
             for c, s in zip(layers, saved):
-                c[:, index, :, :span] = s
+                c[:, pages] = s
+            cache.block_table[rows] = saved_rows
 
     @torch.inference_mode()
     def warmup(self) -> None:
         """Run every bucket eagerly (on a side stream on CUDA) so lazy initialisation, autotuning and
         inductor compilation happen before capture."""
         stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        if stream:
+            # The cache's pool and block table were just filled on the current stream; the side
+            # stream must not read them before (a block table not yet zeroed sends writes anywhere).
+            stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             t0 = time.perf_counter()
             for bucket in sorted(self.table.buckets if self.enabled else (1,), reverse=True):
@@ -215,7 +250,8 @@ class GraphRunner:
         try:
             for bucket in sorted(self.table.buckets, reverse=True):
                 record = self.records[bucket] = BucketRecord(bucket)
-                if len(self.table.ready) >= self.policy.max_cached_graphs:
+                limit = self.policy.max_cached_graphs
+                if limit is not None and len(self.table.ready) >= limit:
                     self._withdraw(
                         bucket, FallbackReason.EVICTED, f"max_cached_graphs={self.policy.max_cached_graphs} reached"
                     )
@@ -294,15 +330,16 @@ class GraphRunner:
 
         def first():
             h, cos, sin = m.embed_tokens(tokens, positions)
-            return h, cos, sin, m.pre_attention(0, h, cos, sin, slots, positions, cache)[0]
+            index = cache.write_index(slots, positions)
+            return h, cos, sin, index, m.pre_attention(0, h, cos, sin, index, cache)[0]
 
-        h, cos, sin, q = capture(first)
+        h, cos, sin, index, q = capture(first)
         queries = [q]
         for i in range(1, len(m.layers)):
 
             def middle(i=i, h=h):
                 h = m.post_attention(i - 1, h, attn_out)
-                return h, m.pre_attention(i, h, cos, sin, slots, positions, cache)[0]
+                return h, m.pre_attention(i, h, cos, sin, index, cache)[0]
 
             h, q = capture(middle)
             queries.append(q)
@@ -310,10 +347,11 @@ class GraphRunner:
         logits = capture(lambda: m.logits(m.post_attention(len(m.layers) - 1, last_h, attn_out)))
 
         def replay() -> torch.Tensor:
-            meta = self.backend.prepare(m.kv_index, positions, m.cfg.sliding_window)
+            window = m.cfg.sliding_window
+            meta = self.backend.prepare(cache, positions, window)
             graphs[0].replay()
             for i, q in enumerate(queries):
-                attn_out.copy_(self.backend(q, cache.k[i], cache.v[i], slots, meta))
+                attn_out.copy_(self.backend(q, cache, i, slots, meta, window))
                 graphs[i + 1].replay()
             return logits
 
@@ -329,7 +367,7 @@ class GraphRunner:
         for bucket in sorted(self.table.ready):
             seed = bucket + 1
             batch = self.probe(bucket, seed)
-            with self._probe_kv(batch.slots, batch.positions, seed) as reset:
+            with self._probe_kv(batch, seed) as reset:
                 reset()
                 self._load(batch, bucket)
                 eager = self.step_fn(*self._views(bucket), self.cache).float()
@@ -382,6 +420,9 @@ class GraphRunner:
             self.verify()
             self.agree()
 
+    def graph_memory_mb(self) -> float:
+        return sum(self.records[b].memory_mb for b in self.table.ready)
+
     def report(self) -> dict:
         """Per-bucket capture facts for status pages, JSON-safe (served with allow_nan=False): a
         non-finite verify diff is rendered null, and that bucket's error then says non-finite."""
@@ -392,6 +433,7 @@ class GraphRunner:
             diff = rec.verify_max_abs_diff
             out[f"decode_bs_{bucket}"] = {
                 "ready": bucket in self.table.ready,
+                "compiled": self.compiled and bucket in self.table.ready,
                 "capture_s": rec.capture_s,
                 "memory_mb": rec.memory_mb,
                 "verify_max_abs_diff": diff if diff is not None and math.isfinite(diff) else None,

@@ -16,7 +16,7 @@ from torch import nn
 
 from workers.attention import make_backend
 from workers.config import ModelConfig
-from workers.kv_cache import KVCache
+from workers.kv_cache import KVCache, pages_needed
 from workers.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
 from workers.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 
@@ -126,19 +126,25 @@ class LlamaModel(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(cfg.dtype).to(device), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(cfg.dtype).to(device), persistent=False)
-        self.register_buffer("kv_index", torch.arange(max_model_len, device=device), persistent=False)
-        self.attention_backend = make_backend(attention_backend)
+        self.attention_backend = make_backend(attention_backend, self.embed.weight.device)
 
     @property
     def num_local_kv_heads(self) -> int:
         return self.layers[0].attn.num_kv_heads
 
-    def make_kv_cache(self, num_slots: int) -> KVCache:
-        device = self.embed.weight.device
+    def make_kv_cache(self, num_slots: int, num_pages: int | None = None, page_size: int = 16) -> KVCache:
+        """A paged cache with block-table rows for num_slots sequences; by default pages enough for
+        every slot to reach max_model_len (plus the scratch page)."""
+        if num_pages is None:
+            num_pages = 1 + num_slots * pages_needed(self.max_model_len, page_size)
         return KVCache(
-            self.cfg.num_layers, num_slots, self.num_local_kv_heads, self.max_model_len, self.cfg.head_dim,
-            self.cfg.dtype, device,
+            self.cfg.num_layers, num_pages, page_size, num_slots, self.max_model_len, self.num_local_kv_heads,
+            self.cfg.head_dim, self.cfg.dtype, self.embed.weight.device,
         )  # fmt: skip
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token position takes in this rank's cache, all layers."""
+        return 2 * self.cfg.num_layers * self.num_local_kv_heads * self.cfg.head_dim * self.cfg.dtype.itemsize
 
     def checkpoint_map(self) -> dict[str, tuple[nn.Module, str, int]]:
         """HF tensor name -> (our module, "weight" | "bias", part index within a fused layer)."""
@@ -172,11 +178,12 @@ class LlamaModel(nn.Module):
         """Hidden states and the rope cos/sin rows for these tokens."""
         return F.embedding(tokens, self.embed.weight), self.rope_cos[positions], self.rope_sin[positions]
 
-    def pre_attention(self, i: int, h, cos, sin, slot_ids, positions, cache: KVCache):
-        """Layer i up to attention: norm, QKV, rope; stores this step's K/V; returns q, k, v."""
+    def pre_attention(self, i: int, h, cos, sin, write_index: torch.Tensor, cache: KVCache):
+        """Layer i up to attention: norm, QKV, rope; stores this step's K/V (at the cache's
+        `write_index` of each token); returns q, k, v."""
         block = self.layers[i]
         q, k, v = block.attn.project(rms_norm(h, block.input_norm.weight, self.cfg.rms_norm_eps), cos, sin)
-        cache.write(i, slot_ids, positions, k, v)
+        cache.write(i, write_index, k, v)
         return q, k, v
 
     def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -189,12 +196,14 @@ class LlamaModel(nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """One token per row: tokens/positions/slot_ids of shape (rows,) -> logits (rows, vocab).
-        Each row attends to its own slot, positions 0..position (inclusive, windowed if set)."""
-        meta = self.attention_backend.prepare(self.kv_index, positions, self.cfg.sliding_window)
+        Each row attends to its own slot's pages, positions 0..position (inclusive, windowed if set)."""
+        window = self.cfg.sliding_window
+        meta = self.attention_backend.prepare(cache, positions, window)
+        index = cache.write_index(slot_ids, positions)
         h, cos, sin = self.embed_tokens(tokens, positions)
         for i in range(len(self.layers)):
-            q, _, _ = self.pre_attention(i, h, cos, sin, slot_ids, positions, cache)
-            h = self.post_attention(i, h, self.attention_backend(q, cache.k[i], cache.v[i], slot_ids, meta))
+            q, _, _ = self.pre_attention(i, h, cos, sin, index, cache)
+            h = self.post_attention(i, h, self.attention_backend(q, cache, i, slot_ids, meta, window))
         return self.logits(h)
 
     def prefill(
@@ -212,8 +221,9 @@ class LlamaModel(nn.Module):
         h, cos, sin = self.embed_tokens(tokens, positions)
         packed = packed_supported(h, window)
         prompts = PackedPrompts(seq_lens, h.device) if packed else None
+        index = cache.write_index(slot_ids, positions)
         for i in range(len(self.layers)):
-            q, k, v = self.pre_attention(i, h, cos, sin, slot_ids, positions, cache)
+            q, k, v = self.pre_attention(i, h, cos, sin, index, cache)
             if packed:
                 attn = packed_attention(q, k, v, prompts, window)
             else:

@@ -1,8 +1,14 @@
-"""Continuous-batching bookkeeping: which sequences wait, which run, which KV slot each owns.
+"""Continuous-batching bookkeeping: which sequences wait, which run, which KV pages each holds.
 
-Pure Python (no torch) so admission and slot reuse are testable in microseconds. Sequences join the
-running batch between steps and leave it the moment they finish; a freed slot is reused by the next
-admission. Each step's prompt tokens are bounded so a burst of long prompts cannot stall decoding.
+Pure Python (no torch) so admission, paging and preemption are testable in microseconds. Sequences
+join the running batch between steps and leave it the moment they finish. A running sequence owns a
+slot (its row of the block table; there are max_num_seqs, the batch limit) and the pages the block
+manager gave it; admission needs a free slot and free pages for the whole sequence so far. When a
+decode step needs pages the pool no longer has, the newest sequences are preempted: their pages are
+freed and they go back to the front of the queue with every token kept, to be prefilled again
+(prompt and output so far) when pages are free. Each step's prompt tokens are bounded so a burst of
+long prompts cannot stall decoding. Every page given out is also recorded as a block-table edit
+(slot, index, page) for the engine to hand to the device (`take_edits`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
+from policies.kv_blocks import BlockManager
 from workers.sampling import InvalidRequest, SamplingParams
 
 
@@ -38,6 +45,11 @@ class Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token so far: what a prefill writes, the first time and after a preemption."""
+        return self.prompt_ids + self.output_ids
 
 
 def new_sequence(
@@ -80,7 +92,15 @@ class Scheduler:
         max_waiting: int,
         max_prefill_tokens: int,
         vocab_size: int | None = None,
+        blocks: BlockManager | None = None,
     ) -> None:
+        """Without `blocks`, a pool of 16-token pages that holds every slot at max_model_len."""
+        self.blocks = blocks or BlockManager(1 + max_num_seqs * -(-max_model_len // 16), 16)
+        if self.blocks.capacity_tokens < max_model_len:
+            raise ValueError(
+                f"a KV pool of {self.blocks.capacity_tokens} tokens cannot hold one sequence of "
+                f"max_model_len={max_model_len}"
+            )
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
@@ -88,7 +108,9 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest first
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # in admission order: the oldest first
+        self.edits: list[int] = []
+        self.num_preempted = 0
 
     def add(self, seq: Sequence) -> None:
         self.limits.check_prompt(seq.prompt_ids)
@@ -100,25 +122,65 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """Move waiting sequences into free slots, first come first served, within the step's
-        prompt-token budget (the first admission always fits so a long prompt cannot starve)."""
+        prompt-token budget (the first admission always fits so a long prompt cannot starve) and
+        while the pool has pages for them and for what the running batch needs this step: a
+        sequence's tokens so far plus the one its first decode writes."""
         admitted: list[Sequence] = []
         budget = self.max_prefill_tokens
+        reserve = sum(self.blocks.needs_page(s.request_id) for s in self.running.values())
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
-            if admitted and len(seq.prompt_ids) > budget:
+            if admitted and seq.length > budget:
+                break
+            if self.blocks.pages_for(min(seq.length + 1, self.max_model_len)) + reserve > self.blocks.num_free:
                 break
             self.waiting.popleft()
-            budget -= len(seq.prompt_ids)
+            budget -= seq.length
             seq.slot = self.free_slots.pop()
+            self._edit(seq.slot, 0, self.blocks.allocate(seq.request_id, seq.length))
+            reserve += self.blocks.needs_page(seq.request_id)
             self.running[seq.request_id] = seq
             admitted.append(seq)
         return admitted
 
+    def reserve_decode(self) -> list[Sequence]:
+        """Room for one more position of every running sequence. Returns the sequences preempted
+        for it (newest first): they are back at the front of the queue, oldest first."""
+        ids = list(self.running)
+        growing = [i for i in ids if self.blocks.needs_page(i)]
+        preempted = self.blocks.reserve_step(ids)
+        for request_id in growing:
+            if request_id not in preempted:
+                pages = self.blocks.block_table(request_id)
+                self._edit(self.running[request_id].slot, len(pages) - 1, pages[-1:])
+        out = []
+        for request_id in preempted:
+            seq = self.running.pop(request_id)
+            self._release_slot(seq)
+            self.waiting.appendleft(seq)
+            out.append(seq)
+        self.num_preempted += len(out)
+        return out
+
+    def take_edits(self) -> list[int]:
+        """Block-table edits since the last call, as flat (slot, index, page) triples."""
+        edits, self.edits = self.edits, []
+        return edits
+
+    def _edit(self, slot: int, start: int, pages: list[int]) -> None:
+        for i, page in enumerate(pages, start):
+            self.edits += (slot, i, page)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        self.blocks.free(seq.request_id)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort(reverse=True)
+        seq.slot = -1
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         if self.running.pop(seq.request_id, None) is not None:
-            self.free_slots.append(seq.slot)
-            self.free_slots.sort(reverse=True)
+            self._release_slot(seq)
         else:
             self.waiting.remove(seq)
 

@@ -18,7 +18,6 @@ from policies.dispatch import FallbackReason
 from workers.async_engine import AsyncEngine, StreamEvent
 from workers.engine import EngineConfig, EngineStatus, LLMEngine, load_for_engine, prepare_model, resolve_device
 from workers.graph_runner import GraphRunner
-from workers.kv_cache import KVCache
 from workers.model import LlamaModel
 from workers.sampling import SamplingParams
 from workers.tp import StepChannel, follow, init_tp_group
@@ -26,13 +25,13 @@ from workers.tp import StepChannel, follow, init_tp_group
 log = logging.getLogger(__name__)
 
 
-def prepare_follower(model: LlamaModel, config: EngineConfig) -> tuple[GraphRunner, KVCache]:
+def prepare_follower(model: LlamaModel, config: EngineConfig) -> GraphRunner:
     """What a rank > 0 does before following rank 0: its cache, then the same warm-up, capture,
     verification and agreement as rank 0's engine, so both meet the same collectives in order."""
     cache = prepare_model(model, config)
     runner = GraphRunner(model, cache, config.graph_policy)
     runner.prepare()
-    return runner, cache
+    return runner
 
 
 class ShardWorker:
@@ -52,8 +51,8 @@ class ShardWorker:
             self.engine = AsyncEngine(engine, self.tokenizer, heartbeat_s=timeout_s / 4).start()
             self.runner = engine.runner
         else:
-            self.runner, cache = prepare_follower(model, config)
-            self._thread = threading.Thread(target=self._follow, args=(model, cache), daemon=True)
+            self.runner = prepare_follower(model, config)
+            self._thread = threading.Thread(target=self._follow, daemon=True)
             self._thread.start()
         self.captured_at = time.time()
 
@@ -62,9 +61,9 @@ class ShardWorker:
         all-reduces inside, so operators see each rank's buckets, not only rank 0's."""
         return {"rank": self.rank, "captured_at": self.captured_at, "buckets": self.runner.report()}
 
-    def _follow(self, model, cache) -> None:
+    def _follow(self) -> None:
         try:
-            follow(self.channel, model, self.runner, cache)
+            follow(self.channel, self.runner)
         except BaseException as e:  # a timed-out or broken collective ends this rank
             log.exception("tensor-parallel rank %d stopped following rank 0", self.rank)
             self.error = e

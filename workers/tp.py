@@ -79,7 +79,7 @@ class StepChannel:
         return op, rows, values
 
 
-def follow(channel: StepChannel, model, runner, cache) -> None:
+def follow(channel: StepChannel, runner) -> None:
     """A follower rank's loop: repeat rank 0's model calls until STOP (or a collective times out)."""
     with torch.inference_mode():
         while True:
@@ -89,7 +89,6 @@ def follow(channel: StepChannel, model, runner, cache) -> None:
             if op == NOOP:
                 continue
             if op == PREFILL:
-                batch = PrefillInputs.from_ints(rows, values)
-                model.prefill(*batch.to_device(cache.k.device), batch.lens, cache)
+                runner.prefill(PrefillInputs.from_ints(rows, values))
             else:
                 (runner.decode if op == DECODE else runner.eager)(DecodeInputs.from_ints(rows, values))

@@ -59,11 +59,11 @@ class _ShiftedMask:
         self.inner, self.shift = inner, shift
         self.name, self.graph_support = inner.name, inner.graph_support
 
-    def prepare(self, kv_index: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        return self.inner.prepare(kv_index, positions + self.shift, window)
+    def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None):
+        return self.inner.prepare(cache, positions + self.shift, window)
 
-    def __call__(self, q, k_layer, v_layer, slot_ids, meta) -> torch.Tensor:
-        return self.inner(q, k_layer, v_layer, slot_ids, meta)
+    def __call__(self, q, cache: KVCache, layer: int, slot_ids, meta, window: int | None) -> torch.Tensor:
+        return self.inner(q, cache, layer, slot_ids, meta, window)
 
 
 def _wrong_mask(model: LlamaModel, shift: int) -> Step:

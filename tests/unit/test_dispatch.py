@@ -179,7 +179,7 @@ def test_every_table_reason_is_reachable(tiny):
     seen.update(reasons)
 
     sdpa, varlen = SdpaDecode.graph_support, SdpaVarlenDecode.graph_support
-    allowed = initial_table(GraphPolicy(), cuda=True, graph_support=sdpa)
+    allowed = initial_table(GraphPolicy(), (1, 2), cuda=True, graph_support=sdpa)
     assert allowed.global_reason is None and allowed.downgrade_reason is None
     for policy, support, expected in [
         (GraphPolicy(mode="eager"), sdpa, R.DISABLED),
@@ -187,7 +187,7 @@ def test_every_table_reason_is_reachable(tiny):
         (GraphPolicy(), "none", R.BACKEND_UNSUPPORTED),  # global; no shipped backend declares "none"
         (GraphPolicy(), varlen, R.BACKEND_UNSUPPORTED),  # full lowered to piecewise
     ]:
-        table = initial_table(policy, cuda=True, graph_support=support)
+        table = initial_table(policy, (1, 2), cuda=True, graph_support=support)
         table.mark_ready(1)  # as if captured: a global or downgrade reason still decides
         assert table.dispatch(1).reason == expected, (policy, support)
         seen.add(expected)

@@ -108,11 +108,11 @@ def mixed_requests(seed: int, n: int, **params) -> list[tuple[list[int], Samplin
 
 def test_startup_prefill_warms_only_the_scratch_slot(tiny):
     """The prefill run before READY (so the first request does not pay one-time set-up) writes only
-    the scratch slot and counts nowhere."""
+    the scratch page and counts nowhere."""
     engine = new_engine(tiny, max_num_seqs=3)
     cache = engine.cache
-    assert not cache.k[:, : cache.num_slots].any() and not cache.v[:, : cache.num_slots].any()
-    assert cache.k[:, cache.scratch_slot].any()
+    assert not cache.k[:, 1:].any() and not cache.v[:, 1:].any()
+    assert cache.k[:, 0].any() and not cache.block_table.any()
     snap = engine.stats.snapshot()
     assert snap["prefill_steps"] == snap["prompt_tokens"] == snap["busy_s"]["prefill"] == 0
 
@@ -351,7 +351,7 @@ def test_sync_abort_running_and_waiting(tiny):
     assert (a.finish_reason, b.finish_reason) == ("abort", "abort")
     while engine.has_work():
         engine.step()
-    assert c.output_ids == run_alone(tiny, *reqs[2])[0] and c.slot == 0
+    assert c.output_ids == run_alone(tiny, *reqs[2])[0] and engine.scheduler.free_slots == [0]
     assert engine.stats.snapshot()["finished_requests"] == {"abort": 2, "length": 1}
 
 
@@ -532,3 +532,45 @@ async def test_stats_snapshot_matches_streams(tiny, start):
     assert sum(n * c for n, c in snap["decode_batch_sizes"].items()) + 5 == snap["generated_tokens"]
     assert max(snap["decode_batch_sizes"]) <= 3
     assert snap["busy_s"]["prefill"] > 0 and snap["busy_s"]["decode"] > 0
+
+
+# ---------------------------------------------------------------- paging and preemption
+
+
+def test_preemption_loses_nothing_and_sends_nothing_twice(tiny):
+    """A KV pool of 10 pages of 8 tokens for 6 slots: sequences outgrow it, the newest are preempted
+    and prefilled again later with their output so far. Every request still ends with exactly the
+    tokens it produces alone, each token reported once, in order; every page comes back."""
+    requests = mixed_requests(3, 16, temperature=0.0, ignore_eos=True)
+    engine = new_engine(tiny, max_num_seqs=6, kv_page_size=8, kv_cache_tokens=80)
+    assert engine.cache.num_pages == 1 + 10
+    seqs = [engine.add_request(p, params) for p, params in requests]
+    reported = {s.request_id: [] for s in seqs}
+    while engine.has_work():
+        for event in engine.step():
+            reported[event.request_id] += event.token_ids
+    for (p, params), s in zip(requests, seqs):
+        assert (s.output_ids, s.finish_reason) == run_alone(tiny, p, params)
+        assert reported[s.request_id] == s.output_ids
+    status = engine.status()
+    assert status.kv_cache["preemptions"] > 0
+    assert status.kv_cache["pages_free"] == status.kv_cache["pages"] == 10
+    assert all_slots_free(engine)
+
+
+def test_sampled_requests_resume_the_same_after_preemption(tiny):
+    """A seeded sampled request draws the same tokens whether or not it was preempted on the way:
+    re-prefill samples its next token at the same step of its seed."""
+    rng = random.Random(4)
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    requests = [(prompt(rng, 20), params) for _ in range(4)]
+    engine = new_engine(tiny, max_num_seqs=4, kv_page_size=8, kv_cache_tokens=96)
+    seqs = run_sync(engine, requests)
+    assert engine.status().kv_cache["preemptions"] > 0
+    for (p, sp), s in zip(requests, seqs):
+        assert s.output_ids == run_alone(tiny, p, sp)[0]
+
+
+def test_a_pool_that_cannot_hold_max_model_len_is_refused(tiny):
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        new_engine(tiny, kv_page_size=8, kv_cache_tokens=tiny.max_model_len - 8)

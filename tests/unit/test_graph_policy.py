@@ -7,17 +7,18 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from policies.graph_policy import GraphPolicy, load_policy
+from policies.graph_policy import GraphPolicy, default_buckets, load_policy
 
 DEFAULTS = dict(
     mode="full",
-    decode_batch_buckets=(1, 2, 4, 8, 16, 32),
+    decode_batch_buckets=None,  # default_buckets(max_num_seqs)
     capture_prefill=False,
-    max_cached_graphs=6,
+    max_cached_graphs=None,
     graph_memory_budget_mb=2048,
     fallback_mode="eager",
     capture_on_startup=True,
     compile=False,
+    compile_cache_dir=None,
 )
 
 
@@ -172,3 +173,12 @@ def test_load_from_dict_with_and_without_section():
 def test_load_from_dict_rejects_typo():
     with pytest.raises(ValidationError, match="capture_on_start"):
         load_policy({"cuda_graph_policy": {"capture_on_start": False}})
+
+
+def test_default_buckets_follow_max_num_seqs():
+    """Dense at the small end, every 8 to 64, every 32 beyond, and always the batch limit itself."""
+    assert default_buckets(256) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256)
+    assert default_buckets(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert default_buckets(100)[-3:] == (64, 96, 100) and default_buckets(1) == (1,) and default_buckets(3) == (1, 2, 3)
+    assert GraphPolicy().buckets(32) == default_buckets(32)
+    assert GraphPolicy(decode_batch_buckets=(1, 5)).buckets(256) == (1, 5)

@@ -13,6 +13,7 @@ import inspect
 import pytest
 import torch
 
+from tests.kv_pages import assign_pages, poison, slot_kv
 from tests.unit.conftest import make_hf_checkpoint
 from workers.checkpoint import load_model
 
@@ -80,6 +81,7 @@ def test_prefill_and_greedy_decode_match_transformers(tmp_path, model_type, extr
     ours = load_model(tmp_path, max_model_len=MAX_LEN)
     assert ours.cfg.dtype == torch.float32
     cache = ours.make_kv_cache(2)
+    assign_pages(cache)
     prompt = prompts[0]
 
     ref, past = hf_forward(hf, prompt)
@@ -101,17 +103,6 @@ def test_prefill_and_greedy_decode_match_transformers(tmp_path, model_type, extr
     assert len(set(ref_tokens)) > 1
 
 
-def poison(cache, keep: dict[int, int]) -> None:
-    """Fill the KV cache with huge random values everywhere except positions [0, keep[slot]) of
-    each slot in `keep`: any read outside a row's own slot and length then wrecks its output."""
-    g = torch.Generator().manual_seed(99)
-    for t in (cache.k, cache.v):
-        junk = torch.randn(t.shape, generator=g) * 1e4
-        for slot, n in keep.items():
-            junk[:, slot, :, :n] = t[:, slot, :, :n]
-        t.copy_(junk)
-
-
 @torch.no_grad()
 def test_batched_prefill_matches_each_prompt_alone(tmp_path, prompts):
     """Three prompts of different lengths packed in one prefill call (three slots) give each prompt's
@@ -122,6 +113,7 @@ def test_batched_prefill_matches_each_prompt_alone(tmp_path, prompts):
     lens = [p.numel() for p in prompts]
 
     batched = ours.make_kv_cache(4)
+    assign_pages(batched)
     poison(batched, {})
     tokens = torch.cat(prompts)
     positions = torch.cat([torch.arange(n) for n in lens])
@@ -133,9 +125,10 @@ def test_batched_prefill_matches_each_prompt_alone(tmp_path, prompts):
         ref, _ = hf_forward(hf, prompt)
         assert rel_err(logits[i], ref) <= RTOL, f"prompt {i} differs from HF"
         alone = ours.make_kv_cache(4)
+        assign_pages(alone, seed=i + 1)  # other pages than the batched cache's
         assert torch.allclose(logits[i], prefill_one(ours, prompt, alone, slot), rtol=1e-5, atol=1e-5)
-        assert torch.allclose(batched.k[:, slot, :, :n], alone.k[:, slot, :, :n], rtol=1e-5, atol=1e-5)
-        assert torch.allclose(batched.v[:, slot, :, :n], alone.v[:, slot, :, :n], rtol=1e-5, atol=1e-5)
+        for got, want in zip(slot_kv(batched, slot, n), slot_kv(alone, slot, n)):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 DECODE_CONFIGS = {k: CONFIGS[k] for k in ("llama", "mistral-sliding-window")}
@@ -157,6 +150,7 @@ def test_batched_decode_reads_only_its_own_slot_and_length(tmp_path, prompts, mo
     alone_logits = []
     for prompt in prompts:
         cache = ours.make_kv_cache(1)
+        assign_pages(cache)
         logits = [prefill_one(ours, prompt, cache)]
         for step in range(steps):
             tok, pos = logits[-1].argmax().view(1), torch.tensor([prompt.numel() + step])
@@ -165,6 +159,7 @@ def test_batched_decode_reads_only_its_own_slot_and_length(tmp_path, prompts, mo
 
     # All three together, after prefilling each into its slot of a poisoned cache.
     cache = ours.make_kv_cache(4)
+    assign_pages(cache, seed=5)
     poison(cache, {})
     last = torch.stack([prefill_one(ours, p, cache, int(s)) for p, s in zip(prompts, slots)])
     poison(cache, {int(s): n for s, n in zip(slots, lens)})  # garbage everywhere but written K/V

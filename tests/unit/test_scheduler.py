@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from policies.kv_blocks import BlockManager
 from workers.sampling import InvalidRequest, SamplingParams
 from workers.scheduler import QueueFull, RequestLimits, Scheduler, Sequence
 
@@ -240,3 +241,97 @@ def test_sequence_length_counts_prompt_and_output():
     assert q.length == 5
     q.output_ids += [7, 8]
     assert q.length == 7
+
+
+# ---------------------------------------------------------------- paging
+
+
+def paged_scheduler(num_pages: int, page_size: int = 4, max_num_seqs: int = 4, max_model_len: int = 12) -> Scheduler:
+    return Scheduler(max_num_seqs, max_model_len, 8, 1000, blocks=BlockManager(num_pages, page_size))
+
+
+def table_of(edits: list[int]) -> dict[int, dict[int, int]]:
+    out: dict[int, dict[int, int]] = {}
+    for slot, index, page in zip(edits[::3], edits[1::3], edits[2::3]):
+        out.setdefault(slot, {})[index] = page
+    return out
+
+
+def test_admission_needs_pages_not_only_slots():
+    """Two 7-token sequences take 2 pages each (their tokens and the first decode's); a third waits
+    with a free slot until one finishes and gives its pages back."""
+    s = paged_scheduler(num_pages=1 + 5)
+    a, b, c = seq("a", 7), seq("b", 7), seq("c", 7)
+    for q in (a, b, c):
+        s.add(q)
+    assert s.admit() == [a, b]
+    assert list(s.waiting) == [c] and s.free_slots
+    s.finish(a, "stop")
+    assert s.admit() == [c]
+
+
+def test_admission_leaves_the_pages_running_sequences_need_this_step():
+    """A running sequence at a page boundary needs a new page this step: a waiting one that would
+    take it is not admitted."""
+    s = paged_scheduler(num_pages=1 + 3)
+    a = seq("a", 3)
+    s.add(a)
+    s.admit()
+    s.reserve_decode()  # a: 4 tokens, one full page; its next position needs a second page
+    a.output_ids.append(9)
+    s.add(b := seq("b", 4))  # needs 2 pages (4 tokens + 1)
+    assert s.admit() == [] and list(s.waiting) == [b]
+
+
+def test_edits_describe_every_page_handed_out():
+    s = paged_scheduler(num_pages=1 + 8)
+    a, b = seq("a", 5), seq("b", 3)
+    s.add(a)
+    s.add(b)
+    s.admit()
+    assert table_of(s.take_edits()) == {
+        a.slot: dict(enumerate(s.blocks.block_table("a"))),
+        b.slot: dict(enumerate(s.blocks.block_table("b"))),
+    }
+    assert s.take_edits() == []
+    s.reserve_decode()  # a: 6 tokens in 2 pages (no new page); b: 4 tokens in 1 page
+    assert s.take_edits() == []
+    b.output_ids.append(1)
+    s.reserve_decode()  # b crosses into its second page
+    assert table_of(s.take_edits()) == {b.slot: {1: s.blocks.block_table("b")[1]}}
+
+
+def test_preemption_takes_the_newest_and_requeues_them_first_with_their_tokens():
+    """When a step needs more pages than are free, the newest running sequences give theirs back and
+    wait at the front of the queue, oldest first, output kept; they come back as whole sequences
+    (prompt and output so far) once pages are free again."""
+    s = paged_scheduler(num_pages=1 + 4, page_size=4)
+    old, mid, new = seq("old", 4), seq("mid", 4), seq("new", 3)
+    late = seq("late", 2)
+    for q in (old, mid, new):
+        s.add(q)
+    assert s.admit() == [old, mid]  # 2 pages each (4 tokens + the first decode)
+    s.reserve_decode()
+    for q in (old, mid):
+        q.output_ids.append(7)
+    s.finish(mid, "stop")
+    assert s.admit() == [new]
+    s.add(late)
+    new.output_ids += [5, 6]  # new: 3 prompt tokens + 2 output = 5 tokens
+    old.output_ids += [8, 8, 8]  # old: 8 tokens, at a page boundary
+    s.blocks.append("old"), s.blocks.append("old"), s.blocks.append("old")
+    s.blocks.append("new"), s.blocks.append("new")
+    s.take_edits()
+    assert s.blocks.num_free == 0
+    preempted = s.reserve_decode()
+    assert preempted == [new] and list(s.running) == ["old"]
+    assert list(s.waiting) == [new, late] and new.slot == -1 and new.output_ids == [5, 6]
+    assert new.token_ids == [1, 2, 3, 5, 6] and s.num_preempted == 1
+    s.finish(old, "stop")
+    assert s.admit() == [new, late]
+    assert s.blocks.tokens("new") == new.length == 5
+
+
+def test_a_pool_smaller_than_one_sequence_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        paged_scheduler(num_pages=1 + 3, page_size=4, max_model_len=13)

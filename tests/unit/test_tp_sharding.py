@@ -13,10 +13,12 @@ import torch
 import torch.multiprocessing as mp
 
 from policies.graph_policy import GraphPolicy
+from tests.kv_pages import page_edits
 from tests.unit.conftest import make_hf_checkpoint
 from workers.checkpoint import load_model
 from workers.graph_runner import GraphRunner
 from workers.parallel import TPGroup
+from workers.step_inputs import DecodeInputs, PrefillInputs
 from workers.tp import DECODE, PREFILL, STOP, StepChannel, follow, init_tp_group
 
 STEPS = 32
@@ -30,23 +32,23 @@ def _port() -> int:
 
 
 def run_greedy(model, send=None):
-    """Prefill the prompts (slots 0..2), then STEPS greedy decode steps; logits of every step."""
+    """Prefill the prompts (slots 0..2, scattered pages), then STEPS greedy decode steps; logits of
+    every step."""
     cache = model.make_kv_cache(len(PROMPTS))
-    tokens = [t for p in PROMPTS for t in p]
-    positions = [i for p in PROMPTS for i in range(len(p))]
-    slots = [s for s, p in enumerate(PROMPTS) for _ in p]
-    lens = [len(p) for p in PROMPTS]
+    prefill = PrefillInputs(
+        [t for p in PROMPTS for t in p], [i for p in PROMPTS for i in range(len(p))],
+        [s for s, p in enumerate(PROMPTS) for _ in p], [len(p) for p in PROMPTS], page_edits(cache),
+    )  # fmt: skip
     if send:
-        send(PREFILL, len(PROMPTS), tokens + positions + slots + lens)
-    logits = [model.prefill(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), lens, cache)]
-    lengths = list(lens)
+        send(PREFILL, prefill.rows, prefill.to_ints())
+    cache.set_pages(prefill.pages)
+    logits = [model.prefill(*prefill.to_device(torch.device("cpu")), prefill.lens, cache)]
+    lengths = list(prefill.lens)
     for _ in range(STEPS):
-        last = logits[-1].argmax(-1).tolist()
-        pos = [n for n in lengths]
-        slots = list(range(len(PROMPTS)))
+        batch = DecodeInputs(logits[-1].argmax(-1).tolist(), list(lengths), list(range(len(PROMPTS))))
         if send:
-            send(DECODE, len(PROMPTS), last + pos + slots)
-        logits.append(model.decode(torch.tensor(last), torch.tensor(pos), torch.tensor(slots), cache))
+            send(DECODE, batch.rows, batch.to_ints())
+        logits.append(model.decode(*batch.to_device(torch.device("cpu")), cache))
         lengths = [n + 1 for n in lengths]
     if send:
         send(STOP)
@@ -74,7 +76,7 @@ def _serve_rank(rank: int, port: int, path: str, out) -> None:
         out.put(run_greedy(model, channel.send).numpy())  # by value: this process may exit first
         return
     cache = model.make_kv_cache(len(PROMPTS))
-    follow(channel, model, GraphRunner(model, cache, GraphPolicy()), cache)  # the engine's follower loop
+    follow(channel, GraphRunner(model, cache, GraphPolicy()))  # the engine's follower loop
 
 
 def sharded_logits(path) -> torch.Tensor:

@@ -74,8 +74,8 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     workers.engine.GraphRunner = workers.shard.GraphRunner = stand_in  # this process only
     channel = StepChannel(tp, cpu)
     if rank == 1:
-        runner, cache = workers.shard.prepare_follower(model, config)
-        follow(channel, model, runner, cache)
+        runner = workers.shard.prepare_follower(model, config)
+        follow(channel, runner)
         return {"report": runner.report(), "replayed": dict(runner.replayed)}
     engine = LLMEngine(model, config, eos, revision, channel=channel)
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
