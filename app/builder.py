@@ -28,8 +28,7 @@ def use_gpu(config: AppConfig) -> bool:
 def deployment(args: dict) -> Application:
     config = AppConfig.from_args(args)
     gpu = use_gpu(config)
-    if gpu:
-        config = config.model_copy(update={"accelerator": "gpu"})
+    config = config.on_device(gpu)
     args = config.model_dump(mode="json")
     tp = config.tensor_parallel_size
     placement = {}

@@ -56,11 +56,17 @@ class AppConfig(BaseModel):
 
     model: str | None = None  # checkpoint directory; None = the embedded tiny default
     served_model_name: str | None = None  # the `model` clients ask for; default: the directory's name
-    max_num_seqs: int = Field(32, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)  # the batch limit; None: 256 on GPU, 32 on CPU
     max_model_len: int = Field(2048, ge=2)
     max_waiting: int = Field(256, ge=0)
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    attention_backend: str = "sdpa"
+    attention_backend: Literal["auto", "triton", "sdpa", "sdpa_varlen"] = "auto"
+    # The paged KV pool: pages of kv_page_size positions; kv_cache_tokens positions in all, or when
+    # unset, kv_cache_memory_fraction of the device memory free after weights, the largest
+    # prefill's activations and the graph budget (on CPU: every slot at max_model_len).
+    kv_page_size: int = Field(16, ge=1)
+    kv_cache_tokens: int | None = Field(None, ge=1)
+    kv_cache_memory_fraction: float = Field(0.9, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     shard_num_cpus: float = Field(1.0, gt=0)
     collective_timeout_s: float = Field(30.0, gt=0)  # every wait between shards is bounded by this
@@ -95,6 +101,14 @@ class AppConfig(BaseModel):
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
         return cls.model_validate(args or {})
+
+    def on_device(self, gpu: bool) -> AppConfig:
+        """This config with what depends on the accelerator resolved: the accelerator itself and
+        the batch limit."""
+        update: dict[str, Any] = {"accelerator": "gpu" if gpu else "cpu"}
+        if self.max_num_seqs is None:
+            update["max_num_seqs"] = 256 if gpu else 32
+        return self.model_copy(update=update)
 
     def graph_policy(self) -> GraphPolicy:
         return load_policy(self.cuda_graph_policy_file) if self.cuda_graph_policy_file else self.cuda_graph_policy

@@ -80,7 +80,16 @@ class _StatusCollector:
         )
         busy = CounterMetricFamily("graphserve_engine_busy_seconds", "Seconds the engine spent in model steps",
                                    labels=["phase", "replica"])  # fmt: skip
+        pages = GaugeMetricFamily("graphserve_kv_pages", "Pages of the KV pool", labels=["replica"])
+        free = GaugeMetricFamily("graphserve_kv_pages_free", "Pages of the KV pool not held", labels=["replica"])
+        preempted = CounterMetricFamily("graphserve_preemptions", "Sequences preempted for KV pages",
+                                        labels=["replica"])  # fmt: skip
         for replica, status in self.statuses.items():
+            kv = status.get("kv_cache")
+            if kv:
+                pages.add_metric([replica], kv["pages"])
+                free.add_metric([replica], kv["pages_free"])
+                preempted.add_metric([replica], kv["preemptions"])
             ready.add_metric([replica], 1.0 if status.get("state") == "READY" else 0.0)
             captured.add_metric([replica], sum(1 for b in status.get("buckets", {}).values() if b["ready"]))
             for part in status.get("stats", {}).get("decode_step_parts", []):
@@ -92,7 +101,7 @@ class _StatusCollector:
                 requests.add_metric([r["tenant"], r["outcome"], replica], r["count"])
             for phase, seconds in status.get("stats", {}).get("busy_s", {}).items():
                 busy.add_metric([phase, replica], seconds)
-        yield from (steps, rows, padding, requests, ready, captured, busy)
+        yield from (steps, rows, padding, requests, ready, captured, busy, pages, free, preempted)
         with_requests = {r: s["requests"] for r, s in self.statuses.items() if "requests" in s}
         yield _histogram(
             "graphserve_ttft_seconds", "Time to first token", {r: v["ttft_s"] for r, v in with_requests.items()}

@@ -45,6 +45,9 @@ def engine_config(config: AppConfig) -> EngineConfig:
         max_waiting=config.max_waiting,
         dtype=config.dtype,
         attention_backend=config.attention_backend,
+        kv_page_size=config.kv_page_size,
+        kv_cache_tokens=config.kv_cache_tokens,
+        kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         graph_policy=config.graph_policy(),
     )
 

@@ -482,6 +482,10 @@ def test_metrics_exposition(server):
     assert busy.type == "counter"
     seconds = {s.labels["phase"]: s.value for s in busy.samples if s.name == "graphserve_engine_busy_seconds_total"}
     assert set(seconds) == {"prefill", "decode"} and seconds["prefill"] > 0 and seconds["decode"] > 0
+    (pages,) = families["graphserve_kv_pages"].samples
+    (free,) = families["graphserve_kv_pages_free"].samples
+    assert pages.value > 0 and 0 <= free.value <= pages.value
+    assert [s.value for s in families["graphserve_preemptions"].samples if s.name.endswith("_total")] == [0.0]
 
 
 def test_metrics_leak_no_secrets(server):
@@ -508,3 +512,16 @@ def test_openai_error_types(server):
         "/v1/completions", json={**_body(server, "completions", {}), "model": "x"}, headers=server.key_headers()
     )
     assert assert_openai_error(r, 404)["type"] == "not_found_error"
+
+
+def test_status_reports_the_kv_pool_and_memory_apart(server):
+    """/admin/status gives each replica's paged KV pool (pages, free pages, page size, the batch limit
+    resolved for its device, preemptions) and its weights, KV pool and graphs memory separately."""
+    status = server.replica_status()
+    kv = status["kv_cache"]
+    assert kv["page_size"] == 16 and kv["max_num_seqs"] == 32  # CPU: the default batch limit
+    assert 0 < kv["pages_free"] <= kv["pages"] and kv["preemptions"] == 0
+    memory = status["memory_mb"]
+    assert set(memory) == {"weights", "kv_pool", "graphs"}
+    assert memory["weights"] > 0 and memory["kv_pool"] > 0 and memory["graphs"] == 0  # no graphs on CPU
+    assert status["attention_backend"] == "sdpa"  # auto, on CPU

@@ -111,7 +111,7 @@ def test_sync_script_changes_nothing_on_the_committed_tree(tmp_path):
 def test_sync_script_catches_and_repairs_divergence(tmp_path):
     root = copy_tree(tmp_path)
     config_path = root / "config" / "graphserve.yaml"
-    config_path.write_text(config_path.read_text().replace("max_num_seqs: 32", "max_num_seqs: 16"))
+    config_path.write_text(config_path.read_text().replace("max_waiting: 256", "max_waiting: 16"))
     rayservice_before = (root / "k8s" / "base" / "rayservice.yaml").read_text()
 
     check = run_sync("--check", "--root", str(root))
@@ -127,10 +127,10 @@ def test_sync_script_catches_and_repairs_divergence(tmp_path):
     # only the serveConfigV2 block changed: the hand-written rest (comments included) is kept
     changed = [(a, b) for a, b in zip(rayservice_before.splitlines(), rayservice_after.splitlines()) if a != b]
     assert len(rayservice_before.splitlines()) == len(rayservice_after.splitlines())
-    assert changed == [("          max_num_seqs: 32", "          max_num_seqs: 16")]
+    assert changed == [("          max_waiting: 256", "          max_waiting: 16")]
     for overlay in m.OVERLAYS:
         patch = m.load_docs(root / "k8s" / "overlays" / overlay / "serve-config.patch.yaml")[0]
-        assert yaml.safe_load(patch["spec"]["serveConfigV2"])["applications"][0]["args"]["max_num_seqs"] == 16
+        assert yaml.safe_load(patch["spec"]["serveConfigV2"])["applications"][0]["args"]["max_waiting"] == 16
 
 
 def test_sync_script_refuses_malformed_overrides(tmp_path):
