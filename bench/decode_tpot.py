@@ -6,6 +6,15 @@ the tokens back. Random weights of real shapes (speed does not depend on the val
 of one invocation come from one process on one GPU, so compare them as ratios.
 
     python bench/decode_tpot.py --configs 1b 8b --compile-configs 1b --hf --out bench/results/decode_h200.json
+
+With --max-model-len and --context it measures what a server configured for long contexts pays
+for short ones: for each max_model_len, each live context and each batch size, eager, full graphs
+and full graphs + compile, the engine's default paged KV pool and attention backend. The contexts
+are written into the pool without running their prefill (decode speed does not depend on the KV
+values), so a context of 4096 at batch 128 costs no half-million-token prefill.
+
+    python bench/decode_tpot.py --configs 8b --max-model-len 512 8192 --context 256 4096 \
+        --batch-sizes 1 8 32 64 128 256 --out bench/results/decode_long_context_8b_h200.json
 """
 
 from __future__ import annotations
@@ -80,6 +89,101 @@ def engine_tpot(engine: LLMEngine, batch_size: int, steps: int, warmup: int, den
     return times
 
 
+def seeded_decode_batch(engine: LLMEngine, batch_size: int, context: int, max_tokens: int) -> list:
+    """batch_size sequences already at `context` positions (prompt of context - 1, one output token),
+    their pages allocated and handed to the device as a prefill would, without running one."""
+    g = torch.Generator().manual_seed(batch_size + context)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.model.cfg.vocab_size
+    seqs = [engine.add_request(torch.randint(0, vocab, (context - 1,), generator=g).tolist(), params)
+            for _ in range(batch_size)]  # fmt: skip
+    while engine.scheduler.waiting:
+        assert engine.scheduler.admit(), "the KV pool cannot hold this batch"
+    engine.cache.set_pages(engine.scheduler.take_edits())
+    for seq in seqs:
+        seq.output_ids.append(int(torch.randint(0, vocab, (1,), generator=g)))
+    return seqs
+
+
+def long_context_tpot(engine: LLMEngine, batch_size: int, context: int, steps: int, warmup: int) -> list[float]:
+    seqs = seeded_decode_batch(engine, batch_size, context, steps + warmup + 2)
+    times = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        if i >= warmup:
+            times.append((t1 - t0) * 1e3)
+    for seq in seqs:
+        engine.abort(seq.request_id)
+    return times
+
+
+def long_context(args: argparse.Namespace, bandwidth: float) -> dict:
+    """The long-context matrix (see the module docstring); one row per measurement."""
+    rows, engines = [], []
+    buckets = tuple(sorted(set(args.batch_sizes)))
+    for name in args.configs:
+        cfg = parse_config(BENCH_CONFIGS[name])
+        for max_model_len in args.max_model_len:
+            model = random_model(name, max_model_len, "cuda")
+            for mode, compiled in [("eager", False), ("full", False), ("full", True)]:
+                t0 = time.perf_counter()
+                policy = GraphPolicy(mode=mode, compile=compiled, decode_batch_buckets=buckets)
+                engine = LLMEngine(model, EngineConfig(max_num_seqs=max(buckets), max_model_len=max_model_len,
+                                                       graph_policy=policy))  # fmt: skip
+                status = engine.status()
+                engines.append(dict(config=name, max_model_len=max_model_len, mode=mode, compile=compiled,
+                                    startup_s=time.perf_counter() - t0, compile_s=engine.runner.compile_s,
+                                    attention_backend=status.attention_backend, memory_mb=status.memory_mb,
+                                    kv_cache=status.kv_cache, buckets=status.buckets))  # fmt: skip
+                print({k: v for k, v in engines[-1].items() if k != "buckets"}, flush=True)
+                capacity = engine.scheduler.blocks.capacity_tokens
+                for context in args.context:
+                    for bs in args.batch_sizes:
+                        span = context + args.steps + args.warmup + 2
+                        if span > max_model_len or bs * (span + engine.cache.page_size) > capacity:
+                            continue
+                        times = long_context_tpot(engine, bs, context, args.steps, args.warmup)
+                        live_kv = bs * context * engine.model.kv_bytes_per_token()
+                        rows.append(dict(config=name, max_model_len=max_model_len, context_len=context,
+                                         batch_size=bs, mode=mode, compile=compiled,
+                                         tpot_ms_median=statistics.median(times), tpot_ms_p99=percentile(times, 0.99),
+                                         floor_ms=(cfg.weight_bytes() + live_kv) / bandwidth * 1e3,
+                                         tokens_per_s=bs / statistics.median(times) * 1e3))  # fmt: skip
+                        print(rows[-1], flush=True)
+                del engine
+                torch.cuda.empty_cache()
+            del model
+            torch.cuda.empty_cache()
+    return {"rows": rows, "engines": engines}
+
+
+def long_context_markdown(meta: dict, rows: list[dict]) -> str:
+    """TPOT per (config, mode, context, batch size), max_model_len side by side, and their ratio."""
+    lines = [
+        f"{meta['device']}, torch {meta['torch']}, copy bandwidth {meta['copy_bandwidth_tb_s']:.2f} TB/s, "
+        f"{meta['steps']} timed steps; floor = (weights + live KV) / copy bandwidth",
+        "",
+    ]
+    lengths = sorted({r["max_model_len"] for r in rows})
+    head = " | ".join(f"mml {m} (ms)" for m in lengths)
+    lines += [f"| config | mode | context | bs | {head} | ratio | p99 at {lengths[-1]} | floor (ms) | x floor |",
+              "|---|---|---|---|" + "---|" * (len(lengths) + 4)]  # fmt: skip
+    keyed = {(r["config"], r["mode"], r["compile"], r["context_len"], r["batch_size"], r["max_model_len"]): r
+             for r in rows}  # fmt: skip
+    for key in sorted({k[:5] for k in keyed}, key=lambda k: (k[0], k[1], k[2], k[3], k[4])):
+        got = [keyed.get((*key, m)) for m in lengths]
+        last = got[-1] or next(r for r in got if r)
+        cells = " | ".join(f"{r['tpot_ms_median']:.3f}" if r else "-" for r in got)
+        ratio = f"{got[-1]['tpot_ms_median'] / got[0]['tpot_ms_median']:.2f}" if got[0] and got[-1] else "-"
+        mode = key[1] + (" +compile" if key[2] else "")
+        lines.append(f"| {key[0]} | {mode} | {key[3]} | {key[4]} | {cells} | {ratio} | {last['tpot_ms_p99']:.3f} | "
+                     f"{last['floor_ms']:.3f} | {last['tpot_ms_median'] / last['floor_ms']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def step_breakdown(engine: LLMEngine, steps: int = 100) -> dict[str, float]:
     """Where one full-graph bs-1 step goes: each phase timed on the host with a device sync after it."""
     seq = engine.add_request(list(range(PROMPT_LEN)), SamplingParams(max_tokens=steps + 10, temperature=0.0))
@@ -139,10 +243,19 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager generate")
     ap.add_argument("--modes", nargs="+", default=["eager", "piecewise", "full"])
     ap.add_argument("--compile-configs", nargs="*", default=[], help="configs to also run with compile: true")
+    ap.add_argument("--max-model-len", nargs="*", type=int, default=[], help="the long-context matrix (see above)")
+    ap.add_argument("--context", nargs="*", type=int, default=[256, 4096])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
+    if args.max_model_len:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    copy_bandwidth_tb_s=bandwidth / 1e12, steps=args.steps)  # fmt: skip
+        result = {"meta": meta, **long_context(args, bandwidth)}
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(long_context_markdown(meta, result["rows"]))
+        return
     rows, captures, breakdowns = [], [], []
 
     def record(name, mode, bs, times, floor_ms, **extra):

@@ -1,7 +1,9 @@
 """Captures the decode step as CUDA graphs, one per batch-size bucket, and replays them.
 
 Static input buffers (token ids, positions, slot ids) are allocated once; each step copies the live
-batch into them, padding rows pointing at the KV cache's scratch slot. Capture happens before the
+batch into them, padding rows pointing at the KV cache's scratch slot (its block-table row is all
+scratch page, its length 1). The block table itself is a static input too: it changes in place, by
+the step's edits, before the copy. Capture happens before the
 engine is READY: eager warmup on a side stream, then buckets largest first into one shared memory
 pool with the garbage collector quiet. A bucket that fails to capture, does not fit the memory
 budget, or replays differently from eager in the consistency check is recorded in the BucketTable
