@@ -21,7 +21,7 @@ def test_shard_actor_tp1_captures_and_matches_eager(tmp_path, monkeypatch):
         num_cpus=4, num_gpus=1, include_dashboard=False, runtime_env={"env_vars": {"GRAPHSERVE_CACHE": str(tmp_path)}}
     )
     try:
-        config = EngineConfig(max_num_seqs=8, max_model_len=256, device="cuda")
+        config = EngineConfig(max_num_seqs=8, max_model_len=256, device="cuda", graph_policy=GraphPolicy(compile=False))
         group = ShardGroup(config, world_size=1, num_gpus=1, num_cpus=1, timeout_s=30)
         status = ray.get(group.rank0.status.remote())
         assert status.state == "READY"
@@ -47,7 +47,8 @@ def test_shard_actor_tp1_captures_and_matches_eager(tmp_path, monkeypatch):
         while eager.has_work():
             eager.step()
         assert via_actor == [s.output_ids for s in seqs]
-        parts = ray.get(group.rank0.status.remote()).stats["decode_step_parts"]
-        assert {p["execution_mode"] for p in parts} == {"cuda_graph"}
+        status = ray.get(group.rank0.status.remote())
+        assert {p["execution_mode"] for p in status.stats["decode_step_parts"]} == {"cuda_graph"}
+        assert status.kv_cache["pages_free"] == status.kv_cache["pages"] > 0
     finally:
         ray.shutdown()

@@ -32,12 +32,13 @@ BATCHES = {
 GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
 
 
-def config(mode: str) -> EngineConfig:
-    return EngineConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, device="cuda", graph_policy=GraphPolicy(mode=mode))
+def config(mode: str, **kv) -> EngineConfig:
+    policy = GraphPolicy(mode=mode, compile=False)
+    return EngineConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, device="cuda", graph_policy=policy, **kv)
 
 
-def tp1_tokens(prompts: list[list[int]]) -> list[list[int]]:
-    engine, _ = LLMEngine.from_config(config("eager"))
+def tp1_tokens(prompts: list[list[int]], **kv) -> list[list[int]]:
+    engine, _ = LLMEngine.from_config(config("eager", **kv))
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -89,6 +90,27 @@ def test_tp2_graphs_on_both_ranks_match_eager_and_tp1(ray_two_gpus, monkeypatch)
         assert results["full"][bs] == results["eager"][bs], f"graph != eager at TP = 2, batch {bs}"
         assert results["full"][bs] == tp1_tokens(prompts), f"TP = 2 != TP = 1, batch {bs}"
         assert all(len(t) == STEPS for t in results["full"][bs])
+
+
+def test_tp2_preemption_in_a_small_pool_matches_tp1(ray_two_gpus, monkeypatch):
+    """A pool of 16 pages for 8 sequences growing to ~6 pages each: rank 0's block manager preempts
+    and re-prefills, and both ranks follow its block-table edits. TP = 2 replaying graphs gives the
+    tokens of TP = 1 with the same small pool and of TP = 1 with an ample one."""
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(ray_two_gpus))
+    from app.shards import ShardGroup
+
+    small = dict(kv_page_size=16, kv_cache_tokens=MAX_MODEL_LEN)
+    prompts = BATCHES[8]
+    group = ShardGroup(config("full", **small), world_size=2, num_gpus=1, num_cpus=1, timeout_s=60)
+    tokens = sharded_tokens(group, prompts)
+    status = asyncio.run(group.status())
+    for shard in group.shards:
+        ray.kill(shard)
+    assert status.kv_cache["preemptions"] > 0 and status.kv_cache["pages"] == 16
+    assert status.kv_cache["pages_free"] == status.kv_cache["pages"]
+    assert {p["execution_mode"] for p in status.stats["decode_step_parts"]} == {"cuda_graph"}
+    assert tokens == tp1_tokens(prompts, **small) == tp1_tokens(prompts)
+    assert all(len(t) == STEPS for t in tokens)
 
 
 def test_tp2_app_is_running_only_after_both_shards_captured(tmp_path):
