@@ -23,7 +23,7 @@ class GraphPolicy(BaseModel):
     graph_memory_budget_mb: float = Field(2048, ge=0)
     fallback_mode: Literal["eager"] = "eager"
     capture_on_startup: bool = True
-    compile: bool = False
+    compile: bool | None = None  # None: on in mode full (it wins at every batch size measured, see README)
     # Inductor's on-disk cache (compiled kernels, autotuning): a restart that finds it there skips
     # most of compile's cost. On Kubernetes, a volume. None: inductor's default under /tmp.
     compile_cache_dir: str | None = None
@@ -46,6 +46,11 @@ class GraphPolicy(BaseModel):
         if self.compile and self.mode != "full":
             raise ValueError("compile: true needs mode: full (piecewise pieces are not compiled)")
         return self
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the decode step is inductor-compiled before capture (where graphs are captured)."""
+        return self.mode == "full" if self.compile is None else self.compile
 
     def buckets(self, max_num_seqs: int) -> tuple[int, ...]:
         """The decode batch sizes to capture for a batch limit of max_num_seqs."""

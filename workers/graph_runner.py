@@ -98,7 +98,7 @@ class GraphRunner:
         self.compile_s = 0.0
         self.step_fn = model.decode
         self.compiled = False
-        if policy.compile and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
+        if policy.compiles and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             # Inductor's own cudagraphs stay off: this runner does the capturing.
             allow_compiled_shapes(len(buckets))
             if policy.compile_cache_dir:

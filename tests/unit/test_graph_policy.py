@@ -17,7 +17,7 @@ DEFAULTS = dict(
     graph_memory_budget_mb=2048,
     fallback_mode="eager",
     capture_on_startup=True,
-    compile=False,
+    compile=None,
     compile_cache_dir=None,
 )
 
@@ -182,3 +182,9 @@ def test_default_buckets_follow_max_num_seqs():
     assert default_buckets(100)[-3:] == (64, 96, 100) and default_buckets(1) == (1,) and default_buckets(3) == (1, 2, 3)
     assert GraphPolicy().buckets(32) == default_buckets(32)
     assert GraphPolicy(decode_batch_buckets=(1, 5)).buckets(256) == (1, 5)
+
+
+def test_compile_defaults_on_with_full_graphs_only():
+    assert GraphPolicy().compiles and GraphPolicy(mode="full").compiles
+    assert not GraphPolicy(mode="piecewise").compiles and not GraphPolicy(mode="eager").compiles
+    assert not GraphPolicy(compile=False).compiles and GraphPolicy(compile=True).compiles
