@@ -25,7 +25,7 @@ from workers.model import LlamaModel
 from workers.parallel import TPGroup
 from workers.sampling import SamplingParams, sample
 from workers.scheduler import Scheduler, Sequence, new_sequence
-from workers.stats import EngineStats
+from workers.stats import CallTimer, EngineStats
 from workers.step_inputs import DecodeInputs, PrefillInputs
 from workers.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
 
@@ -277,20 +277,28 @@ class LLMEngine:
         in a second call; the others still replay (they are not dragged to eager). The step's
         block-table edits go with its first model call."""
         allowed, denied = split_by_permission([s.graph_denial for s in seqs])
+        timer = CallTimer(self.device)
         if not denied:
-            logits = self._decode_rows(seqs, pages)
+            with timer.call("graph", len(seqs)):
+                logits = self._decode_rows(seqs, pages)
         else:
             logits = torch.empty(len(seqs), self.model.cfg.vocab_size, device=self.device)
             if allowed:
-                logits[allowed] = self._decode_rows([seqs[i] for i in allowed], pages).float()
+                with timer.call("graph", len(allowed)):
+                    logits[allowed] = self._decode_rows([seqs[i] for i in allowed], pages).float()
                 pages = []
             rows = [i for group in denied.values() for i in group]
             batch = DecodeInputs.of([seqs[i] for i in rows], pages)
             self._send(EAGER, batch)
-            logits[rows] = self.runner.eager(batch).float()
+            # A rollout compares its cohort's calls with the holdback's; tenant-disabled rows are neither.
+            cohort = "holdback" if FallbackReason.ROLLOUT_HOLDBACK in denied else None
+            with timer.call(cohort, len(rows)):
+                logits[rows] = self.runner.eager(batch).float()
             for reason, group in denied.items():
                 self.stats.record_step("eager", "none", reason.value, len(group), 0)
         self._accept(seqs, logits, events)
+        for cohort, rows, seconds in timer.results():  # after _accept's sync: every call has ended
+            self.stats.record_cohort_call(cohort, rows, seconds)
         self.stats.record_decode(len(seqs))
 
     def _decode_rows(self, seqs: list[Sequence], pages: list[int]) -> torch.Tensor:

@@ -3,9 +3,17 @@ output token."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
+import time
 from collections import Counter, deque
+from collections.abc import Iterator
+
+import torch
+
+# Reasons a row of a rollout's graph cohort may still run eager; the rest are the request's own.
+COHORT_EXEMPT_REASONS = ("tenant_disabled", "rollout_holdback")
 
 
 def _summary(values: deque[float]) -> dict[str, float]:
@@ -18,6 +26,37 @@ def _summary(values: deque[float]) -> dict[str, float]:
         "p50": ordered[len(ordered) // 2],
         "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
     }
+
+
+class CallTimer:
+    """Device time of the model calls of one decode step, per rollout cohort: CUDA events around each
+    call (read once the step has synced), the host clock on CPU (where calls are synchronous)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._calls: list[tuple[str, int, object, object]] = []
+
+    @contextlib.contextmanager
+    def call(self, cohort: str | None, rows: int) -> Iterator[None]:
+        if cohort is None:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._calls.append((cohort, rows, start, end))
+
+    def results(self) -> list[tuple[str, int, float]]:
+        """(cohort, rows, seconds) per timed call; on CUDA only after the calls' stream has synced."""
+        if self.cuda:
+            return [(c, n, start.elapsed_time(end) / 1e3) for c, n, start, end in self._calls]
+        return [(c, n, end - start) for c, n, start, end in self._calls]
 
 
 class EngineStats:
@@ -38,6 +77,7 @@ class EngineStats:
         self.batch_sizes: Counter[int] = Counter()
         self.ttft_s: deque[float] = deque(maxlen=window)
         self.tpot_s: deque[float] = deque(maxlen=window)
+        self.cohort_calls: dict[tuple[str, int], list[float]] = {}  # (cohort, rows) -> [calls, seconds]
 
     def record_prefill(self, num_prompts: int, num_tokens: int) -> None:
         with self._lock:
@@ -62,6 +102,30 @@ class EngineStats:
             counts[0] += 1
             counts[1] += rows
             counts[2] += padding
+
+    def record_cohort_call(self, cohort: str, rows: int, seconds: float) -> None:
+        """One decode model call of a rollout cohort ("graph": rows allowed graphs; "holdback": rows
+        the rollout holds back) and its device time: the rollout's TPOT guard compares the two at
+        equal batch sizes."""
+        with self._lock:
+            counts = self.cohort_calls.setdefault((cohort, rows), [0, 0.0])
+            counts[0] += 1
+            counts[1] += seconds
+
+    def cohorts(self) -> dict[str, dict]:
+        """Per rollout cohort: decode rows, rows that ran eager anyway (graph cohort) and calls by
+        batch size ({rows: [calls, seconds]})."""
+        out = {c: {"rows": 0, "fallback_rows": 0, "calls": {}} for c in ("graph", "holdback")}
+        for (mode, _, reason), counts in self.step_parts.items():
+            if reason == "rollout_holdback":
+                out["holdback"]["rows"] += counts[1]
+            elif reason not in COHORT_EXEMPT_REASONS:
+                out["graph"]["rows"] += counts[1]
+                if mode == "eager":
+                    out["graph"]["fallback_rows"] += counts[1]
+        for (cohort, rows), (calls, seconds) in sorted(self.cohort_calls.items()):
+            out[cohort]["calls"][rows] = [calls, seconds]
+        return out
 
     def record_finish(self, reason: str, ttft: float | None, tpot: float | None) -> None:
         with self._lock:
@@ -116,4 +180,5 @@ class EngineStats:
                 "decode_batch_sizes": dict(sorted(self.batch_sizes.items())),
                 "ttft_s": _summary(self.ttft_s),
                 "tpot_s": _summary(self.tpot_s),
+                "cohorts": self.cohorts(),
             }

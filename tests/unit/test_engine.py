@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, run_sync
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.engine import LLMEngine
@@ -574,3 +575,23 @@ def test_sampled_requests_resume_the_same_after_preemption(tiny):
 def test_a_pool_that_cannot_hold_max_model_len_is_refused(tiny):
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         new_engine(tiny, kv_page_size=8, kv_cache_tokens=tiny.max_model_len - 8)
+
+
+def test_rollout_cohorts_are_counted_apart(tiny):
+    """Rows allowed graphs (the rollout's graph cohort: here on CPU they fall back, `unavailable`)
+    and rows held back are counted apart, and each cohort's model calls are timed at their batch
+    size; tenant-disabled rows are in neither cohort's rows."""
+    engine = new_engine(tiny, max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    denials = [None, None, FallbackReason.ROLLOUT_HOLDBACK, FallbackReason.TENANT_DISABLED]
+    for i, denial in enumerate(denials):
+        engine.add_request(prompt(random.Random(40 + i), 5), params, graph_denial=denial)
+    while engine.has_work():
+        engine.step()
+    cohorts = engine.stats.snapshot()["cohorts"]
+    steps = 5  # 6 tokens: one from the prefill, five decode steps
+    assert cohorts["graph"]["rows"] == 2 * steps and cohorts["graph"]["fallback_rows"] == 2 * steps
+    assert cohorts["holdback"]["rows"] == steps and cohorts["holdback"]["fallback_rows"] == 0
+    graph_calls, seconds = cohorts["graph"]["calls"][2]
+    assert graph_calls == steps and seconds > 0
+    assert cohorts["holdback"]["calls"][2][0] == steps  # the eager call of the held-back and disabled rows
