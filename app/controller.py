@@ -1,5 +1,5 @@
-"""The controller actor: owner of per-tenant graph toggles, their audit log, and the latest status
-each replica reported.
+"""The controller actor: owner of per-tenant graph toggles, the gradual rollout of graph mode, their
+audit log, and the latest status each replica reported.
 
 Named and detached in an explicit namespace, restarted by Ray if it dies. Toggles and the audit log
 are written atomically (temp file + rename) on every change and read back when the actor starts, so
@@ -7,8 +7,14 @@ a restart loses nothing. A change is persisted before it is applied: a write tha
 nothing and the caller gets an error. A state file that cannot be used (not JSON, or JSON
 of another shape) is renamed aside to `<name>.corrupt-<UTC time>` and the actor starts from the
 config's toggles, logging why: it never fails to start over its file (with unlimited restarts that
-would be a crash loop). Replicas poll `get_toggles()` (a cheap version check) and push their
-status; the ingress reads statuses for /admin/status, /readyz and /metrics.
+would be a crash loop). Replicas poll `get_permissions()` (a cheap version check: toggles and the
+rollout's cohort) and push their status; the ingress reads statuses for /admin/status, /readyz and
+/metrics.
+
+The rollout (`policies/rollout.py` decides) is persisted with the toggles, in the same file, and
+resumed after a restart. Its decision loop is an asyncio task of the actor, started by the first call
+that finds none running: every `guards.interval_s` it sums the replicas' reported cohort signals and
+lets the rollout advance, hold or roll back; each transition is persisted and audited.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from app.config import AppConfig
+from policies.rollout import CohortSignals, Rollout, RolloutConflict, RolloutPlan, Signals
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +43,15 @@ STALE_AFTER_S = 10.0
 
 
 class _AuditEntry(BaseModel):
+    """A toggle change (tenant, before, after) or a rollout transition (rollout_id, phase, reason)."""
+
     model_config = ConfigDict(extra="allow")
     time: StrictFloat
     actor: StrictStr
-    tenant: StrictStr
     action: StrictStr
-    before: StrictBool
-    after: StrictBool
+    tenant: StrictStr | None = None
+    before: StrictBool | None = None
+    after: StrictBool | None = None
 
 
 class _State(BaseModel):
@@ -51,6 +60,39 @@ class _State(BaseModel):
     toggles: dict[str, StrictBool]
     audit: list[_AuditEntry]
     version: StrictInt = Field(ge=0)
+    rollout: Rollout | None = None
+    rollouts_started: StrictInt = Field(0, ge=0)
+
+
+class StateWriteError(RuntimeError):
+    """The state file could not be written: the change it carried was not made."""
+
+
+def signals_from_statuses(statuses: dict[str, dict]) -> Signals:
+    """The rollout's signals: each replica's cohort counters (engine rows and model calls, replica
+    requests and errors) summed over replicas."""
+    sums = {c: {"requests": 0, "errors": 0, "rows": 0, "fallback_rows": 0, "step_s": {}} for c in ("graph", "holdback")}
+    checks = mismatches = 0
+    detail = None
+    for status in statuses.values():
+        engine = status.get("stats", {}).get("cohorts", {})
+        requests = status.get("requests", {}).get("cohorts", {})
+        for cohort, total in sums.items():
+            for key in ("rows", "fallback_rows"):
+                total[key] += engine.get(cohort, {}).get(key, 0)
+            for key in ("requests", "errors"):
+                total[key] += requests.get(cohort, {}).get(key, 0)
+            for rows, (calls, seconds) in engine.get(cohort, {}).get("calls", {}).items():
+                n, t = total["step_s"].get(int(rows), (0, 0.0))
+                total["step_s"][int(rows)] = (n + calls, t + seconds)
+        shadow = status.get("stats", {}).get("shadow", {})
+        checks += shadow.get("checks", 0)
+        mismatches += shadow.get("mismatches", 0)
+        detail = shadow.get("last_mismatch") or detail
+    return Signals(
+        graph=CohortSignals(**sums["graph"]), holdback=CohortSignals(**sums["holdback"]),
+        shadow_checks=checks, shadow_mismatches=mismatches, shadow_detail=detail,
+    )  # fmt: skip
 
 
 def _read_state(path: Path) -> dict[str, Any] | None:
@@ -116,15 +158,31 @@ class GraphController:
         self.audit: list[dict] = []
         self.version = 0
         self.replicas: dict[str, dict] = {}
+        self.rollout: Rollout | None = None
+        self.rollouts_started = 0
+        self._loop: asyncio.Task | None = None
         state = _read_state(self.path)
         if state is not None:
             self.toggles.update(state["toggles"])
             self.audit = state["audit"][-AUDIT_KEEP:]
             self.version = state["version"]
+            self.rollout = Rollout.model_validate(state["rollout"]) if state.get("rollout") else None
+            self.rollouts_started = state.get("rollouts_started", 0)
 
     def get_toggles(self, known_version: int = -1) -> tuple[int, dict[str, bool] | None]:
         """(version, toggles); toggles is None when the caller already has this version."""
         return self.version, (None if known_version == self.version else dict(self.toggles))
+
+    async def get_permissions(self, known_version: int = -1) -> tuple[int, dict | None]:
+        """(version, {"toggles", "rollout"}) for replicas, None when the caller has this version;
+        "rollout" is the cohort rule in force ({unit, percent, salt}) or None (none ever started)."""
+        self.ensure_decision_loop()
+        if known_version == self.version:
+            return self.version, None
+        return self.version, {"toggles": dict(self.toggles), "rollout": self._cohort_rule()}
+
+    def _cohort_rule(self) -> dict | None:
+        return None if self.rollout is None else self.rollout.cohort_rule().model_dump()
 
     def tenant(self, tenant: str) -> dict:
         last = next((a for a in reversed(self.audit) if a["tenant"] == tenant), None)
@@ -146,19 +204,136 @@ class GraphController:
             return self.tenant(tenant)
         entry = {"time": time.time(), "actor": actor, "client": client, "tenant": tenant,
                  "action": "set_cuda_graph", "before": before, "after": enabled}  # fmt: skip
-        toggles, audit, version = (
-            {**self.toggles, tenant: enabled},
-            [*self.audit, entry][-AUDIT_KEEP:],
-            self.version + 1,
-        )
         try:
-            _write_state(self.path, {"toggles": toggles, "audit": audit, "version": version})
-        except OSError as e:
-            log.error("controller state %s could not be written (%s); toggle of %s not changed", self.path, e, tenant)
-            return {"error": f"the toggle was not changed: the controller could not write its state file "
-                             f"{self.path} ({e.strerror or e})"}  # fmt: skip
-        self.toggles, self.audit, self.version = toggles, audit, version
+            self._commit([entry], toggles={**self.toggles, tenant: enabled})
+        except StateWriteError as e:
+            log.error("%s; toggle of %s not changed", e, tenant)
+            return {"error": f"the toggle was not changed: {e}"}
         return self.tenant(tenant)
+
+    def _commit(self, entries: list[dict], toggles: dict[str, bool] | None = None,
+                rollout: Rollout | None = None, started: int | None = None) -> None:  # fmt: skip
+        """Persist the state with these changes (and one version more), then apply them; a failed
+        write applies nothing and raises StateWriteError."""
+        toggles = self.toggles if toggles is None else toggles
+        rollout = self.rollout if rollout is None else rollout
+        started = self.rollouts_started if started is None else started
+        audit, version = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1
+        state = {"toggles": toggles, "audit": audit, "version": version, "rollouts_started": started,
+                 "rollout": rollout.model_dump(mode="json") if rollout else None}  # fmt: skip
+        try:
+            _write_state(self.path, state)
+        except OSError as e:
+            raise StateWriteError(
+                f"the controller could not write its state file {self.path} ({e.strerror or e})"
+            ) from e
+        self.toggles, self.audit, self.version, self.rollout, self.rollouts_started = (
+            toggles, audit, version, rollout, started,
+        )  # fmt: skip
+
+    # -- rollout ---------------------------------------------------------------------------------
+
+    def start_rollout(self, plan: dict, actor: str) -> dict:
+        """Start a rollout of `plan` (validated): {"rollout": ...}, or {"error", "status"}: 400 for an
+        invalid plan, 409 while another is running or when the state cannot be written."""
+        try:
+            parsed = RolloutPlan.model_validate(plan)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            return {"error": f"{where}: {err['msg']}" if where else err["msg"], "status": 400}
+        if self.rollout is not None and not self.rollout.finished:
+            return {"error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; abort it first", "status": 409}
+        rollout_id = f"rollout-{self.rollouts_started + 1}"
+        rollout = Rollout.start(parsed, rollout_id, time.time(), self.signals(), actor)
+        try:
+            self._commit(self._audit_entries(rollout, rollout.history), rollout=rollout,
+                         started=self.rollouts_started + 1)  # fmt: skip
+        except StateWriteError as e:
+            return {"error": f"the rollout was not started: {e}", "status": 409}
+        return {"rollout": self.current_rollout()}
+
+    def current_rollout(self) -> dict | None:
+        """The most recent rollout, finished or not (None if none ever ran), with the latest guard
+        results and the stage's cohort signals behind them."""
+        if self.rollout is None:
+            return None
+        r = self.rollout
+        return {
+            "id": r.id, "phase": r.phase.value, "step": r.step, "percent": r.percent, "reason": r.reason,
+            "plan": r.plan.model_dump(mode="json"), "stage_started_at": r.stage_started_at,
+            "failed_evaluations": r.failed_evaluations, "guard_failures": dict(r.guard_failures),
+            "guards": [g.model_dump(mode="json") for g in r.results],
+            "signals": r.stage_signals.model_dump(mode="json"),
+            "history": [t.model_dump(mode="json") for t in r.history],
+        }  # fmt: skip
+
+    def rollout_action(self, action: str, actor: str) -> dict:
+        """pause, resume, promote or abort the current rollout: {"rollout": ...} or {"error", "status"}."""
+        if self.rollout is None:
+            return {"error": "no rollout has been started", "status": 404}
+        rollout = self.rollout.model_copy(deep=True)
+        now = time.time()
+        try:
+            if action == "promote":
+                rollout.promote(now, self.signals(), actor)
+            else:
+                act = {"pause": rollout.pause, "resume": rollout.resume, "abort": rollout.abort}[action]
+                act(now, actor)
+        except RolloutConflict as e:
+            return {"error": str(e), "status": 409}
+        try:
+            self._commit(self._audit_entries(rollout, self._new_transitions(rollout)), rollout=rollout)
+        except StateWriteError as e:
+            return {"error": f"the rollout was not changed: {e}", "status": 409}
+        return {"rollout": self.current_rollout()}
+
+    def signals(self) -> Signals:
+        return signals_from_statuses(self.replicas)
+
+    def evaluate_rollout(self, now: float | None = None) -> None:
+        """One evaluation of the decision loop. A transition is applied even when its write fails
+        (a rollback must not wait for a disk), and the failure is logged."""
+        if self.rollout is None or self.rollout.phase.value != "Progressing":
+            return
+        rollout = self.rollout.model_copy(deep=True)
+        transition = rollout.evaluate(self.signals(), time.time() if now is None else now)
+        if transition is None:
+            self.rollout = rollout  # the latest results and signals, for /admin/rollouts/current
+            return
+        log.warning("rollout %s: %s (%s)", rollout.id, transition.reason, rollout.phase.value)
+        entries = self._audit_entries(rollout, self._new_transitions(rollout))
+        try:
+            self._commit(entries, rollout=rollout)
+        except StateWriteError as e:
+            log.error("%s; rollout %s goes on in memory: %s", e, rollout.id, transition.reason)
+            self.audit, self.version, self.rollout = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1, rollout
+
+    def ensure_decision_loop(self) -> None:
+        """Start the decision loop if it is not running. Called from `get_permissions`, which every
+        replica calls twice a second, so the loop runs soon after the actor (re)starts."""
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.get_running_loop().create_task(self._decide_forever())
+
+    async def _decide_forever(self) -> None:
+        while True:
+            interval = self.rollout.plan.guards.interval_s if self.rollout else 1.0
+            await asyncio.sleep(interval)
+            try:
+                self.evaluate_rollout()
+            except Exception:
+                log.exception("rollout evaluation failed")
+
+    def _new_transitions(self, changed: Rollout) -> list:
+        """What a changed copy of the current rollout has recorded since (one action may record two,
+        as a promotion into a last step without a hold does)."""
+        return changed.history[len(self.rollout.history) :]
+
+    @staticmethod
+    def _audit_entries(rollout: Rollout, transitions: list) -> list[dict]:
+        return [{"time": t.at, "actor": t.actor, "action": "rollout", "rollout_id": rollout.id,
+                 "phase": t.phase.value, "step": t.step, "percent": t.percent, "reason": t.reason}
+                for t in transitions]  # fmt: skip
 
     def audit_log(self, limit: int = 100) -> list[dict]:
         return self.audit[-limit:]

@@ -57,6 +57,16 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return f"{param}: {err['msg']}" if param else err["msg"], param
 
 
+ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
+
+
+def _rollout_response(result: dict, ok_status: int) -> JSONResponse:
+    """The controller's answer to a rollout call: the rollout, or its refusal with the status it chose."""
+    if "error" in result:
+        return JSONResponse({"detail": result["error"]}, status_code=result["status"])
+    return JSONResponse(finite(result["rollout"]), status_code=ok_status)
+
+
 async def _json_body(request: Request) -> dict | JSONResponse:
     """The body as a JSON object, parsed strictly (unlike json.loads): a lone UTF-16 surrogate escape,
     NaN, Infinity, a number out of range and nesting past the parser's limit are all invalid JSON."""
@@ -282,6 +292,37 @@ class Ingress:
         )
         return JSONResponse(finite({"model": self.model_name, "tenants": toggles, "replicas": statuses}))
 
+    @api.post("/admin/rollouts")
+    async def start_rollout(self, request: Request) -> Response:
+        """Start a gradual rollout of graph mode (the body is its plan); 409 while one is running."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return JSONResponse({"detail": "request body must be a JSON object (a rollout plan)"}, status_code=400)
+        return _rollout_response(await self.controller.call("start_rollout", body, request.state.operator), 201)
+
+    @api.get("/admin/rollouts/current")
+    async def current_rollout(self, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        rollout = await self.controller.call("current_rollout")
+        if rollout is None:
+            return JSONResponse({"detail": "no rollout has been started"}, status_code=404)
+        return JSONResponse(finite(rollout))
+
+    @api.post("/admin/rollouts/current/{action}")
+    async def rollout_action(self, action: str, request: Request) -> Response:
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        if action not in ROLLOUT_ACTIONS:
+            return JSONResponse({"detail": f"unknown rollout action {action!r}; known: {', '.join(ROLLOUT_ACTIONS)}"},
+                                status_code=404)  # fmt: skip
+        return _rollout_response(await self.controller.call("rollout_action", action, request.state.operator), 200)
+
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:
         denied = self._admin_denied(request)
@@ -301,5 +342,8 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        body = render(await self.controller.call("replica_statuses"))
+        statuses, rollout = await asyncio.gather(
+            self.controller.call("replica_statuses"), self.controller.call("current_rollout")
+        )
+        body = render(statuses, rollout)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -31,18 +31,27 @@ class Histogram:
         return {"counts": list(self.counts), "sum": self.sum}
 
 
+ERROR_OUTCOMES = ("error", "engine_failed")  # what a rollout's error-rate guard counts as errors
+
+
 class RequestMetrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str], int] = {}
+        self.cohorts = {c: {"requests": 0, "errors": 0} for c in ("graph", "holdback")}
         self.ttft = Histogram()
         self.tpot = Histogram()
 
-    def count(self, tenant: str, outcome: str) -> None:
+    def count(self, tenant: str, outcome: str, cohort: str | None = None) -> None:
+        """One finished request; `cohort` is the rollout cohort it ran in ("graph", "holdback")."""
         self.requests[(tenant, outcome)] = self.requests.get((tenant, outcome), 0) + 1
+        if cohort is not None:
+            self.cohorts[cohort]["requests"] += 1
+            self.cohorts[cohort]["errors"] += outcome in ERROR_OUTCOMES
 
     def as_dict(self) -> dict:
         return {
             "requests": [{"tenant": t, "outcome": o, "count": n} for (t, o), n in sorted(self.requests.items())],
+            "cohorts": {c: dict(v) for c, v in self.cohorts.items()},
             "ttft_s": self.ttft.as_dict(),
             "tpot_s": self.tpot.as_dict(),
         }
@@ -111,7 +120,31 @@ class _StatusCollector:
         )
 
 
-def render(statuses: dict[str, dict]) -> bytes:
+class _RolloutCollector:
+    PHASES = ("Progressing", "Paused", "Succeeded", "RolledBack", "Aborted")
+
+    def __init__(self, rollout: dict | None) -> None:
+        self.rollout = rollout
+
+    def collect(self):
+        r = self.rollout
+        percent = GaugeMetricFamily(
+            "graphserve_rollout_percent", "Share of traffic in the graph cohort (100 with no rollout)"
+        )
+        percent.add_metric([], 100.0 if r is None else r["percent"])
+        phase = GaugeMetricFamily("graphserve_rollout_phase", "1 for the current rollout's phase", labels=["phase"])
+        failures = CounterMetricFamily("graphserve_rollout_guard_failures", "Failed guard evaluations of the "
+                                       "current rollout", labels=["guard"])  # fmt: skip
+        if r is not None:
+            for name in self.PHASES:
+                phase.add_metric([name], 1.0 if r["phase"] == name else 0.0)
+            for guard, n in r["guard_failures"].items():
+                failures.add_metric([guard], n)
+        yield from (percent, phase, failures)
+
+
+def render(statuses: dict[str, dict], rollout: dict | None = None) -> bytes:
     registry = CollectorRegistry()
     registry.register(_StatusCollector(statuses))
+    registry.register(_RolloutCollector(rollout))
     return generate_latest(registry)

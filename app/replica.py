@@ -28,6 +28,7 @@ from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
 from policies.restarts import RestartBudget
+from policies.rollout import CohortRule, graph_denial
 from workers.async_engine import EngineDeadError, RequestFailed, StreamEvent
 from workers.engine import EngineConfig
 from workers.sampling import InvalidRequest, SamplingParams
@@ -35,6 +36,7 @@ from workers.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 1.0
+COHORTS = {None: "graph", FallbackReason.ROLLOUT_HOLDBACK: "holdback"}  # tenant-disabled requests are in neither
 
 
 def engine_config(config: AppConfig) -> EngineConfig:
@@ -81,8 +83,10 @@ class LLMReplica:
         self.state = "STARTING"  # until the engine exists; then the engine's own state
         self.metrics = RequestMetrics()
         self.tenant_of: dict[str, str] = {}
+        self.denial_of: dict[str, FallbackReason | None] = {}  # what each running request was last given
         # The config's toggles until the controller answers: an unreachable controller delays no start.
         self.disabled = {tenant for tenant, on in self.config.initial_toggles().items() if not on}
+        self.cohort_rule: CohortRule | None = None  # the rollout's, once the controller answers
         self.toggle_version = -1
         self._controller_down = False
         self.controller.notify("report", self.replica_id, self.status())
@@ -104,16 +108,20 @@ class LLMReplica:
         return status
 
     async def _sync_toggles(self) -> None:
-        version, toggles = await self.controller.call("get_toggles", self.toggle_version)
-        if toggles is None:
+        """Toggles and the rollout's cohort rule; running requests whose permission changed get it
+        in their next step."""
+        version, permissions = await self.controller.call("get_permissions", self.toggle_version)
+        if permissions is None:
             return
         self.toggle_version = version
-        disabled = {tenant for tenant, on in toggles.items() if not on}
-        changed = disabled ^ self.disabled
-        self.disabled = disabled
+        self.disabled = {tenant for tenant, on in permissions["toggles"].items() if not on}
+        rule = permissions["rollout"]
+        self.cohort_rule = CohortRule.model_validate(rule) if rule else None
         for request_id, tenant in list(self.tenant_of.items()):
-            if tenant in changed:
-                self.engine.set_graph_denial(request_id, self._denial(tenant))
+            denial = self._denial(tenant, request_id)
+            if request_id in self.denial_of and self.denial_of[request_id] != denial:
+                self.denial_of[request_id] = denial
+                self.engine.set_graph_denial(request_id, denial)
 
     async def _sync_toggles_logged(self) -> None:
         """Sync, logging an unreachable controller once per outage (the last toggles stay)."""
@@ -129,8 +137,8 @@ class LLMReplica:
             log.info("replica %s: controller reachable again; tenant toggles synced", self.replica_id)
         self._controller_down = False
 
-    def _denial(self, tenant: str) -> FallbackReason | None:
-        return FallbackReason.TENANT_DISABLED if tenant in self.disabled else None
+    def _denial(self, tenant: str, request_id: str) -> FallbackReason | None:
+        return graph_denial(tenant, request_id, tenant not in self.disabled, self.cohort_rule)
 
     async def _refresh_status(self) -> None:
         """The engine's status; while it restarts in place the replica reads STARTING, once it is
@@ -168,6 +176,7 @@ class LLMReplica:
         start = time.monotonic()
         outcome, stream = "cancelled", None  # cancelled unless it ends otherwise (its client left)
         self.tenant_of[request_id] = tenant
+        cohort = COHORTS.get(self._denial(tenant, request_id))  # the rollout cohort it starts in, if any
         try:
             try:
                 prompt_ids = tokenize(self.tokenizer, request)
@@ -213,7 +222,8 @@ class LLMReplica:
                        "status": 503}  # fmt: skip
         finally:
             self.tenant_of.pop(request_id, None)
-            self.metrics.count(tenant, outcome)
+            self.denial_of.pop(request_id, None)
+            self.metrics.count(tenant, outcome, cohort)
             if stream is not None:
                 await stream.aclose()  # a request left early (its client went away) is cancelled now
 
@@ -225,7 +235,8 @@ class LLMReplica:
         interval_s = self.config.stream_interval_ms / 1e3
         for _ in range(self.config.engine_max_restarts + 1):
             try:
-                stream = aiter(self.engine.submit(prompt_ids, params, request_id, self._denial(tenant), interval_s))
+                denial = self.denial_of[request_id] = self._denial(tenant, request_id)
+                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s))
                 return await anext(stream), stream
             except EngineDeadError as e:
                 log.warning("replica %s: request %s waits for the engine (%s)", self.replica_id, request_id, e)

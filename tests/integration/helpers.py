@@ -33,8 +33,11 @@ ADMIN_CALLS = [
     ("PUT", "/admin/tenants/tenant-a/cuda-graph", {"cuda_graph": False}),
     ("GET", "/admin/status", None),
     ("GET", "/admin/audit", None),
+    ("POST", "/admin/rollouts", {"steps": [{"percent": 100}]}),
+    ("GET", "/admin/rollouts/current", None),
+    ("POST", "/admin/rollouts/current/abort", None),
 ]
-ADMIN_CALL_IDS = ["get-toggle", "put-toggle", "status", "audit"]
+ADMIN_CALL_IDS = ["get-toggle", "put-toggle", "status", "audit", "start-rollout", "get-rollout", "abort-rollout"]
 
 # Small enough for 2 cores and 24 GiB: one replica, fractional CPUs, short contexts.
 BASE_ARGS: dict[str, Any] = {

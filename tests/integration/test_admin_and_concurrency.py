@@ -243,13 +243,13 @@ def test_audit_log(server):
 
 
 def test_every_operator_token_works_and_nothing_else(server):
-    """Each named token and the single token open every admin route; a token that is one
-    character off does not."""
+    """Each named token and the single token open every admin route (past authorization: the
+    current rollout is a 404 while none has run); a token that is one character off does not."""
     for token in (ADMIN_TOKEN, *OPERATOR_TOKENS.values()):
         for method, path, _ in ADMIN_CALLS:
             if method == "GET":
                 r = server.http.get(path, headers=server.admin_headers(token))
-                assert r.status_code == 200, (path, r.text)
+                assert r.status_code == (404 if path == "/admin/rollouts/current" else 200), (path, r.text)
         assert server.http.get("/admin/status", headers=server.admin_headers(token[:-1])).status_code == 403
         assert server.http.get("/admin/status", headers=server.admin_headers(token + "0")).status_code == 403
 
@@ -472,3 +472,63 @@ def test_client_disconnect_aborts_request(server):
 
     r = server.complete("tenant-b", max_tokens=5)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+# -- gradual rollout (last: it leaves a finished rollout at 100%) ------------------------------------
+
+
+def rollout_call(server, method: str, path: str, operator: str = "alice", body: dict | None = None):
+    headers = server.admin_headers(OPERATOR_TOKENS[operator])
+    return server.http.request(method, f"/admin/rollouts{path}", json=body, headers=headers)
+
+
+def test_rollout_through_the_admin_api(server):
+    """A rollout by request at 50%: plans are validated, one runs at a time, requests outside the
+    cohort decode as rollout_holdback and the others as before, the rollout survives a controller
+    restart, operators pause and promote it (audited by name), and /metrics shows it."""
+    assert rollout_call(server, "GET", "/current").status_code == 404
+    bad = rollout_call(server, "POST", "", body={"steps": [{"percent": 50}, {"percent": 10}]})
+    assert bad.status_code == 400 and "steps" in bad.json()["detail"]
+    assert rollout_call(server, "POST", "", body={"steps": [{"percent": 50}], "unit": "gpu"}).status_code == 400
+    plan = {"steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}], "unit": "request",
+            "guards": {"min_samples": 100000, "interval_s": 0.5}}  # fmt: skip
+    started = rollout_call(server, "POST", "", body=plan)
+    assert started.status_code == 201, started.text
+    rollout = started.json()
+    assert (rollout["phase"], rollout["percent"], rollout["step"]) == ("Progressing", 50, 0)
+    assert rollout_call(server, "POST", "", operator="bob", body=plan).status_code == 409
+
+    def split_traffic() -> bool:
+        before = settled(lambda: (rows(server.replica_status(), "rollout_holdback"),
+                                  rows(server.replica_status(), "unavailable")))  # fmt: skip
+        for _ in range(8):
+            assert server.complete("tenant-a", max_tokens=SHORT).status_code == 200
+        after = settled(lambda: (rows(server.replica_status(), "rollout_holdback"),
+                                 rows(server.replica_status(), "unavailable")))  # fmt: skip
+        return after[0] > before[0] and after[1] > before[1]
+
+    wait_for(split_traffic, 60, interval=0, what="requests to split between the cohort and the holdback")
+    current = wait_for(lambda: (r := rollout_call(server, "GET", "/current").json())["signals"]["graph"]["requests"]
+                       and r, 30, what="cohort signals to reach the controller")  # fmt: skip
+    assert current["signals"]["holdback"]["requests"] > 0 and current["phase"] == "Progressing"
+    assert {g["guard"]: g["verdict"] for g in current["guards"]}["error_rate"] == "inconclusive"
+
+    actor = controller(server)
+    pid = _pid(actor)
+    ray.kill(actor, no_restart=False)
+    wait_for(lambda: _pid(actor, timeout=2) != pid, 60, what="the controller to restart")
+    resumed = rollout_call(server, "GET", "/current").json()
+    assert (resumed["id"], resumed["phase"], resumed["step"]) == (rollout["id"], "Progressing", 0)
+
+    assert rollout_call(server, "POST", "/current/pause").json()["phase"] == "Paused"
+    assert rollout_call(server, "POST", "/current/pause").status_code == 409
+    assert rollout_call(server, "POST", "/current/rewind").status_code == 404
+    promoted = rollout_call(server, "POST", "/current/promote", operator="bob").json()
+    assert (promoted["phase"], promoted["percent"]) == ("Succeeded", 100)
+    assert rollout_call(server, "POST", "/current/abort").status_code == 409  # it has ended
+    entries = [a for a in audit(server) if a["action"] == "rollout" and a["rollout_id"] == rollout["id"]]
+    assert [a["actor"] for a in entries] == ["alice", "alice", "alice", "bob", "bob"]
+
+    text = server.http.get("/metrics").text
+    assert "graphserve_rollout_percent 100.0" in text and 'graphserve_rollout_phase{phase="Succeeded"} 1.0' in text
+    wait_for(lambda: decodes_as(server, "tenant-a", "unavailable"), 60, interval=0, what="all requests in the cohort")

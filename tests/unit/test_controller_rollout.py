@@ -1,0 +1,144 @@
+"""The controller's rollout (no Ray: GraphController is a plain class until controller_handle wraps
+it): plans validated, one rollout at a time, decisions fed by the replicas' real report payloads,
+operator actions audited by name, state persisted with the toggles and resumed after a restart, and
+the decision loop running on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from app.controller import GraphController, signals_from_statuses
+
+INITIAL = {"tenant-a": True, "tenant-b": True}
+GUARDS = {"interval_s": 0.05, "min_samples": 10, "failure_limit": 2, "max_tpot_ratio": 1.1}
+PLAN = {"steps": [{"percent": 10, "hold_s": 0}, {"percent": 50, "hold_s": 3600}, {"percent": 100}], "unit": "request",
+        "guards": GUARDS}  # fmt: skip
+
+
+def replica_status(n: int, graph_step_s: float = 0.01, mismatches: int = 0, errors: int = 0) -> dict:
+    """What a replica reports (the fields the rollout reads), after n units of traffic in each cohort."""
+    cohort = lambda step_s, errs: {"rows": 100 * n, "fallback_rows": 0, "calls": {"8": [20 * n, step_s * 20 * n]}}  # noqa: E731
+    return {
+        "state": "READY",
+        "stats": {"cohorts": {"graph": cohort(graph_step_s, errors), "holdback": cohort(0.01, 0)},
+                  "shadow": {"checks": n, "mismatches": mismatches,
+                             "last_mismatch": "decode_bs_8: max |diff| 2.5 over 3 rows" if mismatches else None}},
+        "requests": {"cohorts": {"graph": {"requests": 20 * n, "errors": errors * n},
+                                 "holdback": {"requests": 20 * n, "errors": 0}}},
+    }  # fmt: skip
+
+
+def make(tmp_path) -> GraphController:
+    return GraphController(str(tmp_path / "state.json"), INITIAL)
+
+
+def test_signals_sum_the_replicas_reports():
+    s = signals_from_statuses({"r1": replica_status(1), "r2": replica_status(2, graph_step_s=0.02)})
+    assert s.graph.requests == 60 and s.graph.rows == 300 and s.holdback.requests == 60
+    assert s.graph.step_s == {8: (60, pytest.approx(0.2 + 0.8))} and s.shadow_checks == 3
+
+
+def test_plans_are_validated_and_one_rollout_runs_at_a_time(tmp_path):
+    c = make(tmp_path)
+    bad = c.start_rollout({**PLAN, "steps": [{"percent": 50, "hold_s": 1}, {"percent": 10}]}, "alice")
+    assert bad["status"] == 400 and "steps" in bad["error"] and c.rollout is None
+    assert c.start_rollout({**PLAN, "unit": "gpu"}, "alice")["status"] == 400
+    first = c.start_rollout(PLAN, "alice")["rollout"]
+    assert (first["id"], first["phase"], first["percent"]) == ("rollout-1", "Progressing", 10)
+    again = c.start_rollout(PLAN, "bob")
+    assert again["status"] == 409 and "rollout-1" in again["error"]
+    assert c.rollout_action("abort", "bob")["rollout"]["phase"] == "Aborted"
+    assert c.start_rollout(PLAN, "bob")["rollout"]["id"] == "rollout-2"  # a finished one can be replaced
+
+
+def test_reports_drive_the_stages_and_a_mismatch_rolls_back(tmp_path):
+    c = make(tmp_path)
+    c.report("r1", replica_status(1))
+    c.start_rollout(PLAN, "alice")
+    version = c.version
+    c.report("r1", replica_status(2))
+    c.evaluate_rollout(now=time.time())
+    assert c.rollout.step == 1 and c.rollout.percent == 50 and c.version > version  # replicas will see it
+    c.report("r1", replica_status(3))
+    c.evaluate_rollout(now=time.time())
+    assert c.rollout.step == 1  # 50% holds for an hour
+    assert all(g.verdict == "pass" for g in c.rollout.results)
+    c.report("r1", replica_status(4, mismatches=1))
+    c.evaluate_rollout(now=time.time())
+    current = c.current_rollout()
+    assert current["phase"] == "RolledBack" and current["percent"] == 0 and "decode_bs_8" in current["reason"]
+    assert c._cohort_rule()["percent"] == 0
+    rollback = c.audit[-1]
+    assert rollback["action"] == "rollout" and rollback["actor"] == "controller" and "mismatch" in rollback["reason"]
+
+
+def test_a_slow_graph_cohort_rolls_back_after_the_failure_limit(tmp_path):
+    c = make(tmp_path)
+    c.start_rollout(PLAN, "alice")
+    for n in (1, 2):
+        c.report("r1", replica_status(n, graph_step_s=0.02))
+        c.evaluate_rollout(now=time.time())
+    current = c.current_rollout()
+    assert current["phase"] == "RolledBack" and current["guard_failures"] == {"tpot": 2}
+    tpot = next(g for g in current["guards"] if g["guard"] == "tpot")
+    assert tpot["verdict"] == "fail" and tpot["value"] == pytest.approx(2.0) and tpot["limit"] == 1.1
+
+
+def test_operator_actions_are_audited_by_name_and_conflicts_refused(tmp_path):
+    c = make(tmp_path)
+    assert c.rollout_action("pause", "alice")["status"] == 404
+    c.start_rollout(PLAN, "alice")
+    assert c.rollout_action("pause", "bob")["rollout"]["phase"] == "Paused"
+    refused = c.rollout_action("pause", "bob")
+    assert refused["status"] == 409 and "Paused" in refused["error"]
+    assert c.rollout_action("resume", "carol")["rollout"]["phase"] == "Progressing"
+    assert c.rollout_action("promote", "dave")["rollout"]["percent"] == 50
+    assert c.rollout_action("abort", "erin")["rollout"]["percent"] == 0
+    assert [(a["actor"], a["reason"]) for a in c.audit][-4:] == [
+        ("bob", "paused"),
+        ("carol", "resumed"),
+        ("dave", "step 1 at 50%: promoted"),
+        ("erin", "aborted"),
+    ]
+
+
+def test_the_rollout_survives_a_controller_restart(tmp_path):
+    first = make(tmp_path)
+    first.set_toggle("tenant-b", False, "alice")
+    first.start_rollout(PLAN, "alice")
+    first.report("r1", replica_status(1))
+    first.evaluate_rollout(now=time.time())
+    second = make(tmp_path)
+    assert second.current_rollout() == first.current_rollout() and second.toggles == first.toggles
+    assert second.version == first.version and second.rollouts_started == 1
+    assert json.loads((tmp_path / "state.json").read_text())["rollout"]["id"] == "rollout-1"
+
+
+def test_a_start_that_cannot_be_written_changes_nothing(tmp_path):
+    c = make(tmp_path)
+    (tmp_path / "state.json").mkdir()  # the state file's path is a directory: every write fails
+    result = c.start_rollout(PLAN, "alice")
+    assert result["status"] == 409 and "not started" in result["error"]
+    assert c.rollout is None and c.audit == [] and c.version == 0
+
+
+def test_the_decision_loop_runs_on_its_own(tmp_path):
+    async def scenario() -> str:
+        c = make(tmp_path)
+        c.report("r1", replica_status(1))
+        version, permissions = await c.get_permissions()
+        assert permissions == {"toggles": INITIAL, "rollout": None}
+        c.start_rollout(PLAN, "alice")
+        assert (await c.get_permissions(version))[1]["rollout"] == {"unit": "request", "percent": 10.0, "salt": ""}
+        c.report("r1", replica_status(2))
+        deadline = time.monotonic() + 5
+        while c.rollout.step == 0:
+            assert time.monotonic() < deadline, "the loop did not advance the rollout"
+            await asyncio.sleep(0.01)
+        return c.rollout.history[-1].actor
+
+    assert asyncio.run(scenario()) == "controller"
