@@ -93,7 +93,11 @@ class _StatusCollector:
         free = GaugeMetricFamily("graphserve_kv_pages_free", "Pages of the KV pool not held", labels=["replica"])
         preempted = CounterMetricFamily("graphserve_preemptions", "Sequences preempted for KV pages",
                                         labels=["replica"])  # fmt: skip
+        shadow = CounterMetricFamily("graphserve_shadow_verifications", "Replayed steps recomputed eagerly and "
+                                     "compared", labels=["result", "bucket_id", "replica"])  # fmt: skip
         for replica, status in self.statuses.items():
+            for check in status.get("stats", {}).get("shadow", {}).get("by_bucket", []):
+                shadow.add_metric([check["result"], check["bucket_id"], replica], check["count"])
             kv = status.get("kv_cache")
             if kv:
                 pages.add_metric([replica], kv["pages"])
@@ -110,7 +114,7 @@ class _StatusCollector:
                 requests.add_metric([r["tenant"], r["outcome"], replica], r["count"])
             for phase, seconds in status.get("stats", {}).get("busy_s", {}).items():
                 busy.add_metric([phase, replica], seconds)
-        yield from (steps, rows, padding, requests, ready, captured, busy, pages, free, preempted)
+        yield from (steps, rows, padding, requests, ready, captured, busy, pages, free, preempted, shadow)
         with_requests = {r: s["requests"] for r, s in self.statuses.items() if "requests" in s}
         yield _histogram(
             "graphserve_ttft_seconds", "Time to first token", {r: v["ttft_s"] for r, v in with_requests.items()}

@@ -194,7 +194,7 @@ class LLMEngine:
             attention_backend=self.model.attention_backend.name,
             buckets=self.runner.report(),
             compile_s=self.runner.compile_s,
-            stats=self.stats.snapshot(),
+            stats={**self.stats.snapshot(), "shadow": self.runner.shadow.report()},
             memory_mb={
                 "weights": sum(t.nbytes for t in self.model.parameters()) / MB,
                 "kv_pool": self.cache.nbytes / MB,

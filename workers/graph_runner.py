@@ -33,6 +33,7 @@ from policies.graph_policy import GraphPolicy
 from workers.attention import GraphSupport
 from workers.kv_cache import KVCache, pages_needed
 from workers.model import LlamaModel
+from workers.shadow_verify import ShadowVerifier
 from workers.step_inputs import DecodeInputs, PrefillInputs
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class GraphRunner:
         self.compile_s = 0.0
         self.step_fn = model.decode
         self.compiled = False
+        self.shadow = ShadowVerifier(policy.shadow_verify_every_n_steps)
         if policy.compiles and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             # Inductor's own cudagraphs stay off: this runner does the capturing.
             allow_compiled_shapes(len(buckets))
@@ -122,7 +124,25 @@ class GraphRunner:
             return self.eager(batch), dispatch
         self.cache.set_pages(batch.pages)
         self._load(batch, dispatch.bucket)
-        return self._replays[dispatch.bucket]()[: batch.rows], dispatch
+        logits = self._replays[dispatch.bucket]()[: batch.rows]
+        if self.shadow.due():
+            return self._shadow_check(dispatch.bucket, logits), dispatch
+        return logits, dispatch
+
+    def _shadow_check(self, bucket: int, replayed: torch.Tensor) -> torch.Tensor:
+        """Recompute the step just replayed with the function it was captured from, on the same static
+        inputs (see `shadow_verify.py`); a mismatch withdraws the bucket on every rank. Returns the
+        step's logits: the eager ones, which are right whatever the graph did."""
+        eager = self.step_fn(*self._views(bucket), self.cache)[: replayed.shape[0]]
+        detail = self.shadow.compare(f"decode_bs_{bucket}", replayed, eager)
+        mismatch = torch.tensor([detail is not None], dtype=torch.int32, device=self.device)
+        if self.model.tp.world_size > 1:  # every rank withdraws it, or none: they must replay together
+            torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX, group=self.model.tp.group)
+        if mismatch.item():
+            detail = detail or f"decode_bs_{bucket}: mismatch on another tensor-parallel rank"
+            log.error("shadow verification failed, bucket %d runs eager from now on: %s", bucket, detail)
+            self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, f"shadow verification: {detail}")
+        return eager
 
     def eager(self, batch: DecodeInputs) -> torch.Tensor:
         self.cache.set_pages(batch.pages)

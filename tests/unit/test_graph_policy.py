@@ -19,6 +19,7 @@ DEFAULTS = dict(
     capture_on_startup=True,
     compile=None,
     compile_cache_dir=None,
+    shadow_verify_every_n_steps=200,
 )
 
 
