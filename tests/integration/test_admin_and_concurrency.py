@@ -532,3 +532,37 @@ def test_rollout_through_the_admin_api(server):
     text = server.http.get("/metrics").text
     assert "graphserve_rollout_percent 100.0" in text and 'graphserve_rollout_phase{phase="Succeeded"} 1.0' in text
     wait_for(lambda: decodes_as(server, "tenant-a", "unavailable"), 60, interval=0, what="all requests in the cohort")
+
+
+def test_a_shadow_mismatch_reported_to_the_controller_rolls_back(server):
+    """The decision loop of the real controller actor, fed through its real report path: a replica
+    status whose shadow verification found a mismatch rolls a running rollout back within a few
+    intervals, the audit names the controller and the mismatch, and every request is then held
+    back (0%) until a new rollout goes to 100%."""
+    actor = controller(server)
+    fake = "replica-under-test"
+    status = {"state": "READY", "stats": {"shadow": {"checks": 10, "mismatches": 0, "last_mismatch": None}}}
+    ray.get(actor.report.remote(fake, status), timeout=30)
+    plan = {"steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}], "unit": "request",
+            "guards": {"interval_s": 0.2}}  # fmt: skip
+    started = rollout_call(server, "POST", "", body=plan)
+    assert started.status_code == 201, started.text
+    try:
+        mismatch = {
+            "checks": 11,
+            "mismatches": 1,
+            "last_mismatch": "decode_bs_8: max |graph - eager| = 0.5 over 3 rows",
+        }
+        reported = time.monotonic()
+        ray.get(actor.report.remote(fake, {**status, "stats": {"shadow": mismatch}}), timeout=30)
+        current = wait_for(lambda: (r := rollout_call(server, "GET", "/current").json())["phase"] == "RolledBack"
+                           and r, 10, what="the rollout to roll back")  # fmt: skip
+        assert time.monotonic() - reported < 5
+    finally:
+        ray.get(actor.__ray_call__.remote(lambda self: self.replicas.pop(fake, None)), timeout=30)
+    assert current["percent"] == 0 and "decode_bs_8" in current["reason"]
+    last = audit(server)[-1]
+    assert (last["actor"], last["phase"]) == ("controller", "RolledBack") and "mismatch" in last["reason"]
+    wait_for(lambda: decodes_as(server, "tenant-a", "rollout_holdback"), 60, interval=0, what="every request held back")
+    assert rollout_call(server, "POST", "", body={"steps": [{"percent": 100}]}).json()["phase"] == "Succeeded"
+    wait_for(lambda: decodes_as(server, "tenant-a", "unavailable"), 60, interval=0, what="graphs for all again")
