@@ -76,6 +76,11 @@ def engine_tpot(engine: LLMEngine, batch_size: int, steps: int, warmup: int, den
         params = SamplingParams(max_tokens=steps + warmup + 2, temperature=0.0)
         seqs.append(engine.add_request(prompt, params, graph_denial=TENANT_DISABLED if i < denied else None))
     engine.step()  # prefill (and the first decode)
+    return timed_steps(engine, seqs, steps, warmup)
+
+
+def timed_steps(engine: LLMEngine, seqs: list, steps: int, warmup: int) -> list[float]:
+    """Wall times (ms) of `steps` engine steps after `warmup` untimed ones; then the sequences end."""
     times = []
     for i in range(warmup + steps):
         torch.cuda.synchronize()
@@ -106,18 +111,7 @@ def seeded_decode_batch(engine: LLMEngine, batch_size: int, context: int, max_to
 
 
 def long_context_tpot(engine: LLMEngine, batch_size: int, context: int, steps: int, warmup: int) -> list[float]:
-    seqs = seeded_decode_batch(engine, batch_size, context, steps + warmup + 2)
-    times = []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.step()
-        t1 = time.perf_counter()
-        if i >= warmup:
-            times.append((t1 - t0) * 1e3)
-    for seq in seqs:
-        engine.abort(seq.request_id)
-    return times
+    return timed_steps(engine, seeded_decode_batch(engine, batch_size, context, steps + warmup + 2), steps, warmup)
 
 
 def long_context(args: argparse.Namespace, bandwidth: float) -> dict:

@@ -18,7 +18,9 @@ def test_the_shipped_serve_config_is_a_valid_app_config():
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" / "graphserve.yaml").read_text())
     config = AppConfig.from_args(raw["applications"][0]["args"])
     assert raw["applications"][0]["import_path"] == "app:deployment"
-    assert config.cuda_graph_policy.decode_batch_buckets == (1, 2, 4, 8, 16, 32)
+    assert config.cuda_graph_policy.decode_batch_buckets is None  # the ladder that follows max_num_seqs
+    assert config.on_device(gpu=True).max_num_seqs == 256 and config.on_device(gpu=False).max_num_seqs == 32
+    assert config.on_device(gpu=True).accelerator == "gpu" and config.attention_backend == "auto"
 
 
 def test_unknown_and_invalid_fields_are_named():
