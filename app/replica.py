@@ -50,6 +50,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         kv_page_size=config.kv_page_size,
         kv_cache_tokens=config.kv_cache_tokens,
         kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+        compile_cache_dir=config.compile_cache_dir,
         graph_policy=config.graph_policy(),
     )
 

@@ -1,5 +1,5 @@
 """Compile seconds cold and warm: the same engine started twice in fresh processes that share one
-inductor cache directory (GraphPolicy.compile_cache_dir), as a restarted replica with a cache
+inductor cache directory (`compile_cache_dir`), as a restarted replica with a cache
 volume would. Random weights of real shape; each start is a new Python process, so nothing is
 reused in memory, only what the directory holds.
 
@@ -27,8 +27,10 @@ def start_once(config: str, max_model_len: int, cache_dir: str) -> dict:
 
     t0 = time.perf_counter()
     model = random_model(config, max_model_len, "cuda")
-    policy = GraphPolicy(compile=True, decode_batch_buckets=BUCKETS, compile_cache_dir=cache_dir)
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=max(BUCKETS), max_model_len=max_model_len, graph_policy=policy))
+    policy = GraphPolicy(compile=True, decode_batch_buckets=BUCKETS)
+    config = EngineConfig(max_num_seqs=max(BUCKETS), max_model_len=max_model_len, graph_policy=policy,
+                          compile_cache_dir=cache_dir)  # fmt: skip
+    engine = LLMEngine(model, config)
     compiled = [b for b, r in engine.status().buckets.items() if r["compiled"]]
     return dict(compile_s=engine.runner.compile_s, startup_s=time.perf_counter() - t0, compiled_buckets=compiled)
 

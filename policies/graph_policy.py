@@ -24,9 +24,6 @@ class GraphPolicy(BaseModel):
     fallback_mode: Literal["eager"] = "eager"
     capture_on_startup: bool = True
     compile: bool | None = None  # None: on in mode full (it wins at every batch size measured, see README)
-    # Inductor's on-disk cache (compiled kernels, autotuning): a restart that finds it there skips
-    # most of compile's cost. On Kubernetes, a volume. None: inductor's default under /tmp.
-    compile_cache_dir: str | None = None
     # Every n-th replayed decode step is recomputed eagerly and must match bit for bit (0: never).
     shadow_verify_every_n_steps: int = Field(200, ge=0)
 

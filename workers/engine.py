@@ -5,6 +5,7 @@ from a process of its own (`engine_process.py`)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ class EngineConfig:
     kv_page_size: int = 16  # token positions per KV page
     kv_cache_tokens: int | None = None  # the KV pool's size in tokens; None = from free memory
     kv_cache_memory_fraction: float = 0.9  # of the device memory free after weights (`kv_sizing.py`)
+    compile_cache_dir: str | None = None  # inductor's on-disk cache; None: its default under /tmp
     graph_policy: GraphPolicy = GraphPolicy()
 
     def batch_limit(self, device: torch.device) -> int:
@@ -98,6 +100,8 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     allocate the paged KV pool (sized by `kv_sizing.py`, the same on every rank)."""
     device = model.embed.weight.device
     model.attention_backend = make_backend(config.attention_backend, device)
+    if config.compile_cache_dir:  # read by inductor at each use: a start that finds it compiles ~5x faster
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.compile_cache_dir
     max_num_seqs = config.batch_limit(device)
     policy = config.graph_policy
     graph_reserve = int(policy.graph_memory_budget_mb * MB) if policy.mode != "eager" else 0

@@ -21,7 +21,6 @@ import contextlib
 import gc
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -103,8 +102,6 @@ class GraphRunner:
         if policy.compiles and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             # Inductor's own cudagraphs stay off: this runner does the capturing.
             allow_compiled_shapes(len(buckets))
-            if policy.compile_cache_dir:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = policy.compile_cache_dir  # read by inductor at each use
             self.step_fn = torch.compile(model.decode, dynamic=False, options={"triton.cudagraphs": False})
             self.compiled = True
         max_rows = max(buckets)

@@ -26,7 +26,12 @@ MONITORS = {
 }
 STATE = {("PersistentVolumeClaim", "graphserve-state")}
 EXTRA = {
-    "overlays/gpu": {("PersistentVolumeClaim", "graphserve-models")} | MONITORS | STATE,
+    "overlays/gpu": {
+        ("PersistentVolumeClaim", "graphserve-models"),
+        ("PersistentVolumeClaim", "graphserve-compile-cache"),
+    }
+    | MONITORS
+    | STATE,
     "overlays/cpu-dev": STATE,
     m.CPU_DEV_MONITORED: MONITORS | STATE,
 }
@@ -169,3 +174,17 @@ def test_no_secret_material_is_tracked():
             assert not (isinstance(doc, dict) and doc.get("kind") == "Secret"), f"{path} commits a Secret"
     ignored = subprocess.run(["git", "check-ignore", "-q", "k8s/graphserve-secrets.env"], cwd=m.REPO)
     assert ignored.returncode == 0, "k8s/*.env (where the README puts the secret env file) is not git-ignored"
+
+
+def test_gpu_workers_mount_the_compile_cache_where_the_config_points(rendered):
+    """args.compile_cache_dir of the GPU overlay lies inside a read-write volume of every GPU worker,
+    backed by the graphserve-compile-cache claim."""
+    (service,) = [d for d in rendered["overlays/gpu"] if d["kind"] == "RayService"]
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    pod = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    (mount,) = [
+        v for v in pod["containers"][0]["volumeMounts"] if args["compile_cache_dir"].startswith(v["mountPath"] + "/")
+    ]
+    assert not mount.get("readOnly")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == "graphserve-compile-cache"

@@ -18,7 +18,6 @@ DEFAULTS = dict(
     fallback_mode="eager",
     capture_on_startup=True,
     compile=None,
-    compile_cache_dir=None,
     shadow_verify_every_n_steps=200,
 )
 
