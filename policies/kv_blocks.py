@@ -63,7 +63,9 @@ class BlockManager:
 
     def needs_page(self, seq_id: str) -> bool:
         """Whether the sequence's next position starts a page it does not hold yet."""
-        held = self._held[seq_id]
+        return self._needs(self._held[seq_id])
+
+    def _needs(self, held: _Held) -> bool:
         return held.tokens == len(held.pages) * self.page_size
 
     def append(self, seq_id: str) -> None:
@@ -92,16 +94,24 @@ class BlockManager:
         page, offset = divmod(position, self.page_size)
         return self._held[seq_id].pages[page] * self.page_size + offset
 
-    def reserve_step(self, running: Sequence[str]) -> list[str]:
+    def reserve_step(self, running: Sequence[str]) -> tuple[list[str], list[str]]:
         """Room for one more position of every running sequence (given oldest first), preempting the
-        newest while the pool cannot supply the pages this step needs: their pages are freed and
-        they are returned (newest first), to be re-queued. The others are appended."""
+        newest while the pool cannot supply the pages this step needs: their pages are freed. Returns
+        (the preempted, newest first, to be re-queued; the kept sequences that got a new page, whose
+        block tables grew). One pass over the batch: this runs every decode step."""
         kept = list(running)
+        needing = {s for s in kept if self._needs(self._held[s])}
         preempted: list[str] = []
-        while sum(self.needs_page(s) for s in kept) > self.num_free:
+        while len(needing) > self.num_free:
             victim = kept.pop()
+            needing.discard(victim)
             self.free(victim)
             preempted.append(victim)
+        grown = []
         for seq_id in kept:
-            self.append(seq_id)
-        return preempted
+            held = self._held[seq_id]
+            if seq_id in needing:
+                held.pages.append(heapq.heappop(self._free))
+                grown.append(seq_id)
+            held.tokens += 1
+        return preempted, grown

@@ -146,13 +146,10 @@ class Scheduler:
     def reserve_decode(self) -> list[Sequence]:
         """Room for one more position of every running sequence. Returns the sequences preempted
         for it (newest first): they are back at the front of the queue, oldest first."""
-        ids = list(self.running)
-        growing = [i for i in ids if self.blocks.needs_page(i)]
-        preempted = self.blocks.reserve_step(ids)
-        for request_id in growing:
-            if request_id not in preempted:
-                pages = self.blocks.block_table(request_id)
-                self._edit(self.running[request_id].slot, len(pages) - 1, pages[-1:])
+        preempted, grown = self.blocks.reserve_step(list(self.running))
+        for request_id in grown:
+            pages = self.blocks.block_table(request_id)
+            self._edit(self.running[request_id].slot, len(pages) - 1, pages[-1:])
         out = []
         for request_id in preempted:
             seq = self.running.pop(request_id)

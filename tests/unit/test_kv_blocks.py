@@ -63,7 +63,8 @@ def test_a_step_preempts_the_newest_until_the_rest_fit():
     blocks.allocate("newest", 3)  # 2 pages, room for one more position
     assert blocks.num_free == 0
     # old, mid and new each need a page; newest does not. Preempting newest frees 2: old and mid fit.
-    assert blocks.reserve_step(["old", "mid", "new", "newest"]) == ["newest", "new"]
+    preempted, grown = blocks.reserve_step(["old", "mid", "new", "newest"])
+    assert preempted == ["newest", "new"] and grown == ["old", "mid"]
     assert [blocks.tokens(s) for s in ("old", "mid")] == [3, 3]
     assert blocks.num_free == 1  # new's page came back too
 
@@ -72,7 +73,7 @@ def test_a_step_with_room_preempts_nobody():
     blocks = BlockManager(num_pages=10, page_size=4)
     for seq in ("a", "b"):
         blocks.allocate(seq, 4)
-    assert blocks.reserve_step(["a", "b"]) == []
+    assert blocks.reserve_step(["a", "b"]) == ([], ["a", "b"])  # both cross into a new page
     assert blocks.tokens("a") == blocks.tokens("b") == 5
 
 
@@ -88,7 +89,9 @@ def test_invariants_hold_under_a_random_workload():
             blocks.allocate(f"s{n}", prompt)
             running.append(f"s{n}")
         elif action < 0.9 and running:
-            preempted = blocks.reserve_step(running)
+            growing = {s for s in running if blocks.needs_page(s)}
+            preempted, grown = blocks.reserve_step(running)
+            assert set(grown) == growing - set(preempted)
             assert preempted == running[len(running) - len(preempted) :][::-1]  # the newest, newest first
             running = running[: len(running) - len(preempted)]
         elif running:
