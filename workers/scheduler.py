@@ -126,6 +126,8 @@ class Scheduler:
         while the pool has pages for them and for what the running batch needs this step: a
         sequence's tokens so far plus the one its first decode writes."""
         admitted: list[Sequence] = []
+        if not self.waiting or not self.free_slots:
+            return admitted  # the common step: nothing to admit, so no pass over the running batch
         budget = self.max_prefill_tokens
         reserve = sum(self.blocks.needs_page(s.request_id) for s in self.running.values())
         while self.waiting and self.free_slots:

@@ -27,7 +27,7 @@ class DecodeInputs(NamedTuple):
     pages: list[int] = []
 
     @classmethod
-    def of(cls, seqs: Rows[Sequence], pages: list[int] = ()) -> DecodeInputs:
+    def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> DecodeInputs:
         return cls([s.output_ids[-1] for s in seqs], [s.length - 1 for s in seqs], [s.slot for s in seqs], list(pages))
 
     @property
@@ -57,7 +57,7 @@ class PrefillInputs(NamedTuple):
     pages: list[int] = []
 
     @classmethod
-    def of(cls, seqs: Rows[Sequence], pages: list[int] = ()) -> PrefillInputs:
+    def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> PrefillInputs:
         return cls(
             [t for s in seqs for t in s.token_ids],
             [p for s in seqs for p in range(s.length)],
