@@ -95,6 +95,10 @@ def signals_from_statuses(statuses: dict[str, dict]) -> Signals:
     )  # fmt: skip
 
 
+def _shadow_mismatches(status: dict) -> int:
+    return (status.get("stats") or {}).get("shadow", {}).get("mismatches", 0)
+
+
 def _read_state(path: Path) -> dict[str, Any] | None:
     """The persisted state, or None (no file, or one that cannot be used: then logged, and a
     corrupt one is renamed aside so that it is kept but never read again)."""
@@ -339,7 +343,12 @@ class GraphController:
         return self.audit[-limit:]
 
     def report(self, replica_id: str, status: dict) -> None:
+        """Keep a replica's status. One that brings a new shadow-verification mismatch is acted on at
+        once, not at the next interval: a mismatch is critical, and its rollback should not wait."""
+        seen = _shadow_mismatches(self.replicas.get(replica_id, {}))
         self.replicas[replica_id] = {**status, "reported_at": time.time()}
+        if _shadow_mismatches(status) > seen:
+            self.evaluate_rollout()
 
     def replica_statuses(self) -> dict[str, dict]:
         now = time.time()

@@ -36,6 +36,7 @@ from workers.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 1.0
+ROLLOUT_STATUS_EVERY_S = 0.2  # while a rollout splits traffic: a shadow mismatch reaches the controller soon
 COHORTS = {None: "graph", FallbackReason.ROLLOUT_HOLDBACK: "holdback"}  # tenant-disabled requests are in neither
 
 
@@ -159,11 +160,13 @@ class LLMReplica:
 
     async def _report(self) -> None:
         """Apart from the toggle poll: a slow engine (a wedged one takes engine_timeout_s to be
-        noticed) or a slow controller delays neither the other."""
+        noticed) or a slow controller delays neither the other. Five times a second while a
+        rollout splits traffic (a status costs the engine well under a millisecond between steps)."""
         while True:
             await self._refresh_status()
             self.controller.notify("report", self.replica_id, self.status())
-            await asyncio.sleep(STATUS_EVERY_S)
+            splitting = self.cohort_rule is not None and 0 < self.cohort_rule.percent < 100
+            await asyncio.sleep(ROLLOUT_STATUS_EVERY_S if splitting else STATUS_EVERY_S)
 
     async def check_health(self) -> None:
         await self.engine.check()

@@ -1,9 +1,12 @@
 """The cost of online shadow verification and how fast it catches a wrong graph, on the GPU.
 
-TPOT of decode-only batches with shadow verification at its default rate (one replayed step in 200
-recomputed eagerly) against without, for each config and batch size, in one process (compare the
-ratio). Then a fault is injected into one captured bucket's replay and the wall time until the
-bucket is withdrawn is measured. Random weights of real shapes, max_model_len 2048, context 256.
+TPOT of decode-only batches with shadow verification at its default rate against without, for
+each config and batch size, on one engine taking turns (compare the ratio); and with every replay
+checked, which prices one check (the mean step time it adds), so the overhead of any other rate
+follows: check cost / (n x TPOT). Then a fault is injected into one
+captured bucket's replay and the wall time until the bucket is withdrawn is measured. Random
+weights of real shapes, max_model_len 2048, context 256, plain graphs (compile off: the eager
+recomputation is the costly one).
 
     python bench/shadow_verify.py --configs 1b 8b --out bench/results/shadow_verify_h200.json
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,10 +30,23 @@ from workers.engine import EngineConfig, LLMEngine
 CONTEXT = 256
 
 
-def engine_for(model, every: int, buckets: tuple[int, ...]) -> LLMEngine:
-    policy = GraphPolicy(decode_batch_buckets=buckets, shadow_verify_every_n_steps=every, compile=False)
+def engine_for(model, buckets: tuple[int, ...]) -> LLMEngine:
+    policy = GraphPolicy(decode_batch_buckets=buckets, compile=False)
     return LLMEngine(model, EngineConfig(max_num_seqs=max(buckets), max_model_len=model.max_model_len,
                                          graph_policy=policy))  # fmt: skip
+
+
+def interleaved_tpot(engine: LLMEngine, batch_size: int, rates: dict[int, int], rounds: int) -> dict[int, list[float]]:
+    """Step times (ms) at each checking rate (every n-th replay; 0: none), `rates[n]` steps at a
+    time, taking turns for `rounds` rounds on one engine: the same graphs and memory for every
+    rate, and the machine's drift spread over all. Each turn starts a fresh batch at CONTEXT."""
+    times: dict[int, list[float]] = {every: [] for every in rates}
+    for _ in range(rounds):
+        for every, steps in rates.items():
+            engine.runner.shadow.every_n = every
+            times[every] += long_context_tpot(engine, batch_size, CONTEXT, steps, warmup=5)
+    engine.runner.shadow.every_n = GraphPolicy().shadow_verify_every_n_steps
+    return times
 
 
 def detection_latency_s(engine: LLMEngine, batch_size: int) -> dict:
@@ -58,42 +75,53 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["1b", "8b"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--steps", type=int, default=1000, help="timed steps per measurement (5 checks at 1 in 200)")
+    ap.add_argument("--steps", type=int, default=300, help="steps per turn without checks and at each rate")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rates", nargs="+", type=int, default=[500, 1000], help="check every n-th replay (besides 0, 1)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     buckets = tuple(sorted(set(args.batch_sizes)))
     rows, detection = [], []
     default_every = GraphPolicy().shadow_verify_every_n_steps
+    rates = {0: args.steps, **dict.fromkeys(args.rates, args.steps), 1: args.steps // 10}  # 1: fewer, they are slow
     for name in args.configs:
         model = random_model(name, 2048, "cuda")
-        engines = {every: engine_for(model, every, buckets) for every in (0, default_every)}
+        engine = engine_for(model, buckets)
         for bs in args.batch_sizes:
-            for every, engine in engines.items():  # alternating, so drift of the machine hits both
-                times = long_context_tpot(engine, bs, CONTEXT, args.steps, warmup=20)
-                rows.append(dict(config=name, batch_size=bs, shadow_every_n_steps=every,
+            for every, times in interleaved_tpot(engine, bs, rates, args.rounds).items():
+                rows.append(dict(config=name, batch_size=bs, shadow_every_n_steps=every, steps=len(times),
                                  tpot_ms_median=statistics.median(times), tpot_ms_mean=statistics.fmean(times),
-                                 tpot_ms_p99=percentile(times, 0.99),
-                                 checks=engine.runner.shadow.report()["checks"]))  # fmt: skip
+                                 tpot_ms_p99=percentile(times, 0.99)))  # fmt: skip
                 print(rows[-1], flush=True)
         for bs in args.batch_sizes:
             detection.append(dict(config=name, shadow_every_n_steps=default_every,
-                                  **detection_latency_s(engines[default_every], bs)))  # fmt: skip
+                                  **detection_latency_s(engine, bs)))  # fmt: skip
             print(detection[-1], flush=True)
-        del engines, model
+        del engine, model
         torch.cuda.empty_cache()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps, context=CONTEXT)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, context=CONTEXT, rounds=args.rounds)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "detection": detection}, indent=1))
-    print(markdown(rows, detection))
+    table = markdown(rows, detection)
+    Path(args.out).with_suffix(".md").write_text(
+        f"{table}\n\n`python bench/shadow_verify.py {' '.join(sys.argv[1:])}`"
+        f" on {meta['device']}, torch {meta['torch']}\n"
+    )
+    print(table)
 
 
 def markdown(rows: list[dict], detection: list[dict]) -> str:
-    """Mean TPOT (the checks are rare spikes: the mean is what they cost) with and without."""
-    lines = ["| config | bs | TPOT mean off (ms) | TPOT mean on (ms) | overhead |", "|---|---|---|---|---|"]
-    keyed = {(r["config"], r["batch_size"], r["shadow_every_n_steps"] > 0): r for r in rows}
-    for config, bs, on in sorted(keyed):
-        if on:
-            off_ms, on_ms = keyed[(config, bs, False)]["tpot_ms_mean"], keyed[(config, bs, True)]["tpot_ms_mean"]
-            lines.append(f"| {config} | {bs} | {off_ms:.3f} | {on_ms:.3f} | {on_ms / off_ms - 1:+.1%} |")
+    """Mean TPOT (the checks are rare spikes: the mean is what they cost) without checks, at the
+    default rate and with every replay checked; the last prices one check and predicts the rate's
+    overhead."""
+    lines = ["| config | bs | TPOT off (ms) | TPOT at 1/n (ms) | overhead | one check (ms) | predicted at 1/n |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    keyed = {(r["config"], r["batch_size"], r["shadow_every_n_steps"]): r["tpot_ms_mean"] for r in rows}
+    rates = sorted({every for _, _, every in keyed} - {0, 1})
+    for config, bs, every in sorted(k for k in keyed if k[2] in rates):
+        off, on, all_checked = keyed[(config, bs, 0)], keyed[(config, bs, every)], keyed[(config, bs, 1)]
+        check = all_checked - off
+        lines.append(f"| {config} | {bs} | {off:.3f} | {on:.3f} (n={every}) | {on / off - 1:+.1%} | {check:.3f} "
+                     f"| {check / (every * off):+.1%} |")  # fmt: skip
     lines += ["", "| config | bs | steps to detect | seconds |", "|---|---|---|---|"]
     lines += [f"| {d['config']} | {d['batch_size']} | {d['steps_to_detect']} | {d['seconds']:.3f} |" for d in detection]
     return "\n".join(lines)

@@ -25,7 +25,7 @@ class GraphPolicy(BaseModel):
     capture_on_startup: bool = True
     compile: bool | None = None  # None: on in mode full (it wins at every batch size measured, see README)
     # Every n-th replayed decode step is recomputed eagerly and must match bit for bit (0: never).
-    shadow_verify_every_n_steps: int = Field(200, ge=0)
+    shadow_verify_every_n_steps: int = Field(1000, ge=0)
 
     @field_validator("decode_batch_buckets")
     @classmethod

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from workers import fault_injection
 from workers.async_engine import STOP, Command, EngineDeadError, StreamFront, run_step_loop
 from workers.engine import EngineConfig, EngineStatus, LLMEngine
 
@@ -40,7 +41,8 @@ EXIT_WAIT_S = 10.0
 # stays behind, and so does any variable whose name says it holds a secret.
 CHILD_ENV_NAMES = frozenset(
     {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "LD_LIBRARY_PATH",
-     "VIRTUAL_ENV", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "GRAPHSERVE_CACHE"}
+     "VIRTUAL_ENV", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "GRAPHSERVE_CACHE",
+     fault_injection.VARIABLE}
 )  # fmt: skip
 CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "CUBLAS", "CUDNN_", "TORCH", "PYTORCH_", "TRITON_",
                       "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_", "KMP_", "OPENBLAS_")  # fmt: skip
@@ -194,6 +196,7 @@ def serve_engine(commands: Connection, events: Connection) -> None:
     except BaseException as e:
         events.send((FAILED, _portable(e)))
         return
+    fault_injection.arm_from_environment(engine.runner._replays)
 
     def receive(timeout: float | None) -> Command | None:
         try:

@@ -67,13 +67,23 @@ def test_reports_drive_the_stages_and_a_mismatch_rolls_back(tmp_path):
     c.evaluate_rollout(now=time.time())
     assert c.rollout.step == 1  # 50% holds for an hour
     assert all(g.verdict == "pass" for g in c.rollout.results)
-    c.report("r1", replica_status(4, mismatches=1))
-    c.evaluate_rollout(now=time.time())
+    c.report("r1", replica_status(4, mismatches=1))  # acted on as it arrives, before the next interval
     current = c.current_rollout()
     assert current["phase"] == "RolledBack" and current["percent"] == 0 and "decode_bs_8" in current["reason"]
     assert c._cohort_rule()["percent"] == 0
     rollback = c.audit[-1]
     assert rollback["action"] == "rollout" and rollback["actor"] == "controller" and "mismatch" in rollback["reason"]
+
+
+def test_only_a_new_mismatch_is_acted_on_at_arrival(tmp_path):
+    """Reports without a new mismatch change nothing between intervals: the other guards count
+    failed evaluations, and evaluating at every report would spend failure_limit in a moment."""
+    c = make(tmp_path)
+    c.report("r1", replica_status(1, graph_step_s=0.02, mismatches=1))  # an old mismatch, before the rollout
+    c.start_rollout(PLAN, "alice")
+    for n in (2, 3, 4):
+        c.report("r1", replica_status(n, graph_step_s=0.02, mismatches=1))
+    assert c.rollout.phase.value == "Progressing" and c.rollout.guard_failures == {}
 
 
 def test_a_slow_graph_cohort_rolls_back_after_the_failure_limit(tmp_path):

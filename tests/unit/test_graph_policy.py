@@ -18,7 +18,7 @@ DEFAULTS = dict(
     fallback_mode="eager",
     capture_on_startup=True,
     compile=None,
-    shadow_verify_every_n_steps=200,
+    shadow_verify_every_n_steps=1000,
 )
 
 
