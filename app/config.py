@@ -56,6 +56,11 @@ class AppConfig(BaseModel):
 
     model: str | None = None  # checkpoint directory; None = the embedded tiny default
     served_model_name: str | None = None  # the `model` clients ask for; default: the directory's name
+    model_revision: str | None = None  # the model's label in status and metrics; None: a content id
+    # JSON lines of {"prompt", "completion"[, "max_tokens"]}: a swapped-in model must decode each greedily.
+    gate_prompts_file: str | None = None
+    # A request that finds its replica swapping is sent to another; with none free it waits this long.
+    swap_queue_timeout_s: float = Field(60.0, gt=0)
     max_num_seqs: int | None = Field(None, ge=1)  # the batch limit; None: 256 on GPU, 32 on CPU
     max_model_len: int = Field(2048, ge=2)
     max_waiting: int = Field(256, ge=0)

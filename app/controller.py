@@ -34,6 +34,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from app.config import AppConfig
+from policies.model_swap import Swap, SwapPhase, SwapRequest
 from policies.rollout import CohortSignals, Rollout, RolloutConflict, RolloutPlan, Signals
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,12 @@ class _State(BaseModel):
     version: StrictInt = Field(ge=0)
     rollout: Rollout | None = None
     rollouts_started: StrictInt = Field(0, ge=0)
+    swap: Swap | None = None
+    swaps_started: StrictInt = Field(0, ge=0)
+    serving_model: dict[str, Any] | None = None  # what a replica starting now loads: the last swap's target
+
+
+PERSISTED = ("toggles", "rollout", "rollouts_started", "swap", "swaps_started", "serving_model")
 
 
 class StateWriteError(RuntimeError):
@@ -164,6 +171,9 @@ class GraphController:
         self.replicas: dict[str, dict] = {}
         self.rollout: Rollout | None = None
         self.rollouts_started = 0
+        self.swap: Swap | None = None
+        self.swaps_started = 0
+        self.serving_model: dict | None = None
         self._loop: asyncio.Task | None = None
         state = _read_state(self.path)
         if state is not None:
@@ -172,18 +182,32 @@ class GraphController:
             self.version = state["version"]
             self.rollout = Rollout.model_validate(state["rollout"]) if state.get("rollout") else None
             self.rollouts_started = state.get("rollouts_started", 0)
+            self.swap = Swap.model_validate(state["swap"]) if state.get("swap") else None
+            self.swaps_started = state.get("swaps_started", 0)
+            self.serving_model = state.get("serving_model")
 
     def get_toggles(self, known_version: int = -1) -> tuple[int, dict[str, bool] | None]:
         """(version, toggles); toggles is None when the caller already has this version."""
         return self.version, (None if known_version == self.version else dict(self.toggles))
 
     async def get_permissions(self, known_version: int = -1) -> tuple[int, dict | None]:
-        """(version, {"toggles", "rollout"}) for replicas, None when the caller has this version;
-        "rollout" is the cohort rule in force ({unit, percent, salt}) or None (none ever started)."""
+        """(version, {"toggles", "rollout", "swap", "serving_model"}) for replicas, None when the
+        caller has this version. "rollout" is the cohort rule in force ({unit, percent, salt}) or
+        None (none ever started); "swap" the running swap's order; "serving_model" what a replica
+        starting now loads (None: its config's model)."""
         self.ensure_decision_loop()
         if known_version == self.version:
             return self.version, None
-        return self.version, {"toggles": dict(self.toggles), "rollout": self._cohort_rule()}
+        return self.version, {"toggles": dict(self.toggles), "rollout": self._cohort_rule(),
+                              "swap": self._swap_order(), "serving_model": self.serving_model}  # fmt: skip
+
+    def _swap_order(self) -> dict | None:
+        """What replicas need of a running swap: its id, kind, target, and who swaps now."""
+        if self.swap is None or self.swap.phase != SwapPhase.PROGRESSING:
+            return None
+        s = self.swap
+        return {"id": s.id, "kind": s.kind, "target": s.target, "drain_timeout_s": s.drain_timeout_s,
+                "now": s.now_swapping()}  # fmt: skip
 
     def _cohort_rule(self) -> dict | None:
         return None if self.rollout is None else self.rollout.cohort_rule().model_dump()
@@ -215,25 +239,22 @@ class GraphController:
             return {"error": f"the toggle was not changed: {e}"}
         return self.tenant(tenant)
 
-    def _commit(self, entries: list[dict], toggles: dict[str, bool] | None = None,
-                rollout: Rollout | None = None, started: int | None = None) -> None:  # fmt: skip
-        """Persist the state with these changes (and one version more), then apply them; a failed
-        write applies nothing and raises StateWriteError."""
-        toggles = self.toggles if toggles is None else toggles
-        rollout = self.rollout if rollout is None else rollout
-        started = self.rollouts_started if started is None else started
+    def _commit(self, entries: list[dict], **changes: Any) -> None:
+        """Persist the state with these changes (attributes named in PERSISTED) and one version
+        more, then apply them; a failed write applies nothing and raises StateWriteError."""
+        values = {name: changes.get(name, getattr(self, name)) for name in PERSISTED}
         audit, version = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1
-        state = {"toggles": toggles, "audit": audit, "version": version, "rollouts_started": started,
-                 "rollout": rollout.model_dump(mode="json") if rollout else None}  # fmt: skip
+        dumped = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in values.items()}
+        state = {"audit": audit, "version": version, **dumped}
         try:
             _write_state(self.path, state)
         except OSError as e:
             raise StateWriteError(
                 f"the controller could not write its state file {self.path} ({e.strerror or e})"
             ) from e
-        self.toggles, self.audit, self.version, self.rollout, self.rollouts_started = (
-            toggles, audit, version, rollout, started,
-        )  # fmt: skip
+        self.audit, self.version = audit, version
+        for name, value in values.items():
+            setattr(self, name, value)
 
     # -- rollout ---------------------------------------------------------------------------------
 
@@ -248,11 +269,13 @@ class GraphController:
             return {"error": f"{where}: {err['msg']}" if where else err["msg"], "status": 400}
         if self.rollout is not None and not self.rollout.finished:
             return {"error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; abort it first", "status": 409}
+        if self.swap is not None and self.swap.phase == SwapPhase.PROGRESSING:
+            return {"error": f"swap {self.swap.id} is in progress; start the rollout after it", "status": 409}
         rollout_id = f"rollout-{self.rollouts_started + 1}"
         rollout = Rollout.start(parsed, rollout_id, time.time(), self.signals(), actor)
         try:
             self._commit(self._audit_entries(rollout, rollout.history), rollout=rollout,
-                         started=self.rollouts_started + 1)  # fmt: skip
+                         rollouts_started=self.rollouts_started + 1)  # fmt: skip
         except StateWriteError as e:
             return {"error": f"the rollout was not started: {e}", "status": 409}
         return {"rollout": self.current_rollout()}
@@ -292,6 +315,91 @@ class GraphController:
             return {"error": f"the rollout was not changed: {e}", "status": 409}
         return {"rollout": self.current_rollout()}
 
+    # -- model swap --------------------------------------------------------------------------------
+
+    def start_swap(self, kind: str, body: dict, previous: dict, actor: str) -> dict:
+        """Start a rolling swap: kind "model" (body: a SwapRequest) or "graph_policy" (body: the new
+        policy, validated by the caller). {"swap": ...}, or {"error", "status"}: 400 for an invalid
+        body, 409 while a swap or a rollout runs, when no replica is READY, or when the state cannot
+        be written. `previous` is what the replicas serve now (the ingress knows the config)."""
+        request = None
+        if kind == "model":
+            try:
+                request = SwapRequest.model_validate(body)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                return {"error": f"{where}: {err['msg']}" if where else err["msg"], "status": 400}
+            target = {"model": request.model, "revision": request.revision}
+        else:
+            target = {"graph_policy": body}
+        if self.swap is not None and self.swap.phase == SwapPhase.PROGRESSING:
+            return {"error": f"swap {self.swap.id} is in progress", "status": 409}
+        if self.rollout is not None and not self.rollout.finished:
+            return {"error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; finish or abort it first",
+                    "status": 409}  # fmt: skip
+        ready = sorted(r for r, st in self.replica_statuses().items() if st.get("state") == "READY")
+        if not ready:
+            return {"error": "no replica is READY to swap", "status": 409}
+        swap_id = f"swap-{self.swaps_started + 1}"
+        swap = Swap.begin(swap_id, kind, request, target, {**previous, **(self.serving_model or {})}, ready, actor,
+                          time.time())  # fmt: skip
+        entry = {"time": swap.started_at, "actor": actor, "action": "swap", "swap_id": swap_id, "kind": kind,
+                 "phase": swap.phase.value, "target": target, "replicas": ready}  # fmt: skip
+        try:
+            self._commit([entry], swap=swap, swaps_started=self.swaps_started + 1)
+        except StateWriteError as e:
+            return {"error": f"the swap was not started: {e}", "status": 409}
+        return {"swap": self.current_swap()}
+
+    def current_swap(self) -> dict | None:
+        """The most recent swap, finished or not, with each replica's step; None if none ever ran."""
+        return None if self.swap is None else self.swap.model_dump(mode="json")
+
+    def _swap_reported(self, replica_id: str, reported: dict | None) -> None:
+        """A replica's swap progress from its status; each step it reaches is persisted and audited."""
+        if not reported or self.swap is None or reported.get("id") != self.swap.id:
+            return
+        before = self.swap.replicas.get(replica_id)
+        if before is None or reported.get("step") == before.step:
+            return
+        swap = self.swap.model_copy(deep=True)
+        reason = swap.record(replica_id, reported.get("step", ""), time.time(), reported.get("detail"),
+                             reported.get("path"))  # fmt: skip
+        if swap.replicas[replica_id].step == before.step:
+            return
+        self._swap_changed(swap, replica_id, reason)
+
+    def _swap_changed(self, swap: Swap, replica_id: str | None, reason: str | None) -> None:
+        entries = []
+        if replica_id is not None:
+            progress = swap.replicas[replica_id]
+            entries.append({"time": time.time(), "actor": "controller", "action": "swap", "swap_id": swap.id,
+                            "replica": replica_id, "step": progress.step, "detail": progress.detail})  # fmt: skip
+        changes: dict[str, Any] = {"swap": swap}
+        if reason is not None:
+            entries.append({"time": time.time(), "actor": "controller", "action": "swap", "swap_id": swap.id,
+                            "phase": swap.phase.value, "reason": reason})  # fmt: skip
+            log.warning("swap %s: %s (%s)", swap.id, reason, swap.phase.value)
+            if swap.phase == SwapPhase.SUCCEEDED:
+                changes["serving_model"] = {**(self.serving_model or {}), **swap.target}
+        try:
+            self._commit(entries, **changes)
+        except StateWriteError as e:  # the swap goes on in memory: its progress must not wait for a disk
+            log.error("%s; swap %s goes on in memory", e, swap.id)
+            self.audit, self.version = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1
+            for name, value in changes.items():
+                setattr(self, name, value)
+
+    def check_swap(self, now: float | None = None) -> None:
+        """One look of the decision loop at a running swap: a replica that overran its time fails it."""
+        if self.swap is None or self.swap.phase != SwapPhase.PROGRESSING:
+            return
+        swap = self.swap.model_copy(deep=True)
+        reason = swap.check_timeouts(time.time() if now is None else now)
+        if reason is not None:
+            self._swap_changed(swap, None, reason)
+
     def signals(self) -> Signals:
         return signals_from_statuses(self.replicas)
 
@@ -325,6 +433,7 @@ class GraphController:
             await asyncio.sleep(interval)
             try:
                 self.evaluate_rollout()
+                self.check_swap()
             except Exception:
                 log.exception("rollout evaluation failed")
 
@@ -349,6 +458,7 @@ class GraphController:
         self.replicas[replica_id] = {**status, "reported_at": time.time()}
         if _shadow_mismatches(status) > seen:
             self.evaluate_rollout()
+        self._swap_reported(replica_id, status.get("swap"))
 
     def replica_statuses(self) -> dict[str, dict]:
         now = time.time()

@@ -22,11 +22,13 @@ from app.controller import ControllerClient, ControllerUnavailable
 from app.metrics import render
 from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
+from policies.graph_policy import GraphPolicy
 from workers.default_model import TINY_NAME
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
 RETRY_AFTER = {"Retry-After": "5"}
+SWAP_RETRY_S = 0.05
 
 
 @api.exception_handler(HTTPException)
@@ -65,6 +67,12 @@ def _rollout_response(result: dict, ok_status: int) -> JSONResponse:
     if "error" in result:
         return JSONResponse({"detail": result["error"]}, status_code=result["status"])
     return JSONResponse(finite(result["rollout"]), status_code=ok_status)
+
+
+def _swap_response(result: dict) -> JSONResponse:
+    if "error" in result:
+        return JSONResponse({"detail": result["error"]}, status_code=result["status"])
+    return JSONResponse(finite(result["swap"]), status_code=202)
 
 
 async def _json_body(request: Request) -> dict | JSONResponse:
@@ -185,12 +193,7 @@ class Ingress:
             payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]
         else:
             payload["prompt"] = req.prompt
-        items = self.llm.generate.remote(payload)
-        try:
-            first = await anext(_items(items), None)
-        except BaseException:  # the client went away before the first token: end the request there too
-            items.cancel()
-            raise
+        items, first = await self._first_item(payload)
         if first is None or "error" in first:
             items.cancel()
             first = first or _REPLICA_GONE
@@ -202,6 +205,22 @@ class Ingress:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream")
         return await self._collect(shape, first, items)
+
+    async def _first_item(self, payload: dict) -> tuple[object, dict | None]:
+        """Send the request to a replica and wait for its first item. A replica that is swapping its
+        model turns requests away: they are sent again (Serve picks a replica each time) until one
+        takes it, for at most swap_queue_timeout_s; then the swapping answer (a 503) stands."""
+        deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
+        while True:
+            items = self.llm.generate.remote(payload)
+            try:
+                first = await anext(_items(items), None)
+            except BaseException:  # the client went away before the first token: end the request there too
+                items.cancel()
+                raise
+            if not (first and first.get("swapping")) or asyncio.get_running_loop().time() > deadline:
+                return items, first
+            await asyncio.sleep(SWAP_RETRY_S)
 
     async def _stream(self, shape: ResponseShape, first: dict, items, include_usage: bool) -> AsyncIterator[bytes]:
         """SSE events, one write per item; the final chunk, the usage and [DONE] leave in one write
@@ -322,6 +341,52 @@ class Ingress:
             return JSONResponse({"detail": f"unknown rollout action {action!r}; known: {', '.join(ROLLOUT_ACTIONS)}"},
                                 status_code=404)  # fmt: skip
         return _rollout_response(await self.controller.call("rollout_action", action, request.state.operator), 200)
+
+    @api.post("/admin/model")
+    async def start_swap(self, request: Request) -> Response:
+        """Swap every replica to another checkpoint, one at a time, gated (202 with the swap)."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return JSONResponse({"detail": 'request body must be a JSON object: {"model": "<checkpoint dir>"}'},
+                                status_code=400)  # fmt: skip
+        previous = {"model": self.config.model, "revision": self.config.model_revision}
+        result = await self.controller.call("start_swap", "model", body, previous, request.state.operator)
+        return _swap_response(result)
+
+    @api.put("/admin/graph-policy")
+    async def put_graph_policy(self, request: Request) -> Response:
+        """Rebuild every replica's graphs under a new graph policy, the same rolling, gated way."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return JSONResponse({"detail": "request body must be a JSON object (a graph policy)"}, status_code=400)
+        try:
+            policy = GraphPolicy.model_validate(body)
+        except ValidationError as e:
+            message, field = _validation_message(e)
+            return JSONResponse({"detail": message, "field": field}, status_code=400)
+        previous = {"graph_policy": self.config.graph_policy().model_dump(mode="json")}
+        result = await self.controller.call("start_swap", "graph_policy", policy.model_dump(mode="json"), previous,
+                                            request.state.operator)  # fmt: skip
+        return _swap_response(result)
+
+    @api.get("/admin/model")
+    async def model(self, request: Request) -> Response:
+        """The model each replica serves (checkpoint revision, state) and the latest swap, if any."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        swap, statuses = await asyncio.gather(self.controller.call("current_swap"),
+                                              self.controller.call("replica_statuses"))  # fmt: skip
+        replicas = {rid: {"state": st.get("state"), "model_revision": st.get("model_revision"),
+                          "max_model_len": st.get("max_model_len"), "swap": st.get("swap")}
+                    for rid, st in statuses.items()}  # fmt: skip
+        return JSONResponse(finite({"served_model_name": self.model_name, "replicas": replicas, "swap": swap}))
 
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:

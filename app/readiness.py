@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
+# A replica swapping its model serves again in moments: requests wait for it (the ingress retries).
+SERVING_STATES = ("READY", "REBUILDING")
 
 
 class ReadinessView:
@@ -66,5 +68,5 @@ class ReadinessView:
         self._missing_since = {r: self._missing_since.get(r, now) for r in self._ready if r not in fresh}
         self._ready = {r: ready for r, ready in self._ready.items()
                        if now - self._missing_since.get(r, now) < self.grace_s}  # fmt: skip
-        self._ready.update({r: s.get("state") == "READY" for r, s in fresh.items()})
+        self._ready.update({r: s.get("state") in SERVING_STATES for r, s in fresh.items()})
         self._fetched_at = now

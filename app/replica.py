@@ -27,6 +27,7 @@ from app.controller import ControllerClient
 from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
+from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.async_engine import EngineDeadError, RequestFailed, StreamEvent
@@ -43,6 +44,8 @@ COHORTS = {None: "graph", FallbackReason.ROLLOUT_HOLDBACK: "holdback"}  # tenant
 def engine_config(config: AppConfig) -> EngineConfig:
     return EngineConfig(
         model=config.model,
+        model_revision=config.model_revision,
+        gate_prompts_file=config.gate_prompts_file,
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
         max_waiting=config.max_waiting,
@@ -54,6 +57,18 @@ def engine_config(config: AppConfig) -> EngineConfig:
         compile_cache_dir=config.compile_cache_dir,
         graph_policy=config.graph_policy(),
     )
+
+
+def with_target(config: AppConfig, target: dict | None) -> AppConfig:
+    """The config with a swap's target in force: a model (and its label), or a graph policy."""
+    if not target:
+        return config
+    update: dict = {}
+    if target.get("model"):
+        update.update(model=target["model"], model_revision=target.get("revision"))
+    if target.get("graph_policy") is not None:
+        update.update(cuda_graph_policy=GraphPolicy.model_validate(target["graph_policy"]), cuda_graph_policy_file=None)
+    return config.model_copy(update=update)
 
 
 def tokenize(tokenizer, request: dict) -> list[int]:
@@ -91,9 +106,13 @@ class LLMReplica:
         self.cohort_rule: CohortRule | None = None  # the rollout's, once the controller answers
         self.toggle_version = -1
         self._controller_down = False
+        self.swap_progress: dict | None = None  # this replica's part in the latest swap it was told of
+        self._swap_task: asyncio.Task | None = None
+        self.draining = False  # while swapping: new requests are turned away (the ingress sends them on)
         self.controller.notify("report", self.replica_id, self.status())
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
+        self.config = with_target(self.config, await self._serving_model())
         self.engine = await asyncio.to_thread(make_engine, self.config)
         await self.engine.start()
         self.tokenizer = self.engine.tokenizer
@@ -107,7 +126,21 @@ class LLMReplica:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
         if hasattr(self, "engine_status"):
             status.update(self.engine_status.as_dict(), engine_restarts=self.engine.restarts)
+        if self.draining:
+            status["state"] = EngineState.REBUILDING.value
+        status["swap"] = self.swap_progress
         return status
+
+    async def _serving_model(self) -> dict | None:
+        """The model (or graph policy) the last swap put in force, which a replica starting now loads;
+        None when no swap succeeded or the controller does not answer (then: the config's)."""
+        try:
+            _, permissions = await self.controller.call("get_permissions", -1)
+        except Exception as e:
+            log.warning("replica %s: controller unreachable at start (%r); loading the configured model",
+                        self.replica_id, e)  # fmt: skip
+            return None
+        return permissions["serving_model"] if permissions else None
 
     async def _sync_toggles(self) -> None:
         """Toggles and the rollout's cohort rule; running requests whose permission changed get it
@@ -119,7 +152,11 @@ class LLMReplica:
         self.disabled = {tenant for tenant, on in permissions["toggles"].items() if not on}
         rule = permissions["rollout"]
         self.cohort_rule = CohortRule.model_validate(rule) if rule else None
-        for request_id, tenant in list(self.tenant_of.items()):
+        order = permissions.get("swap")
+        if (order and self.replica_id in order["now"] and (self.swap_progress or {}).get("id") != order["id"]
+                and (self._swap_task is None or self._swap_task.done())):  # fmt: skip
+            self._swap_task = asyncio.create_task(self._swap(order))
+        for request_id, tenant in list(self.tenant_of.items()) if not self.draining else ():  # draining: rebuilding
             denial = self._denial(tenant, request_id)
             if request_id in self.denial_of and self.denial_of[request_id] != denial:
                 self.denial_of[request_id] = denial
@@ -144,7 +181,10 @@ class LLMReplica:
 
     async def _refresh_status(self) -> None:
         """The engine's status; while it restarts in place the replica reads STARTING, once it is
-        down for good FAILED (a change of state is logged with its cause)."""
+        down for good FAILED (a change of state is logged with its cause). Not while it swaps: the
+        child is busy loading and answers afterwards."""
+        if getattr(self.engine, "swapping", False):
+            return
         try:
             self.engine_status = await self.engine.status()
         except Exception as e:
@@ -168,6 +208,57 @@ class LLMReplica:
             splitting = self.cohort_rule is not None and 0 < self.cohort_rule.percent < 100
             await asyncio.sleep(ROLLOUT_STATUS_EVERY_S if splitting else STATUS_EVERY_S)
 
+    # -- model swap ------------------------------------------------------------------------------
+
+    async def _swap(self, order: dict) -> None:
+        """This replica's turn in a rolling swap: drain, swap the engine (gated), report each step."""
+        swap_id = order["id"]
+        self._set_swap_step(swap_id, "draining")
+        if not hasattr(self.engine, "swap"):
+            self._set_swap_step(swap_id, "reverted", "swapping a tensor-parallel replica in place is not supported; "
+                                "redeploy it with the new model")  # fmt: skip
+            return
+        self.draining = True
+        try:
+            await self._drain(order["drain_timeout_s"])
+            self._set_swap_step(swap_id, "loading")
+            target = with_target(self.config, order["target"])
+            try:
+                report = await self.engine.swap(engine_config(target))
+            except Exception as e:
+                log.error("replica %s: swap %s failed, the previous model serves: %s", self.replica_id, swap_id, e)
+                step, detail, path = "reverted", str(e), None
+            else:
+                self.config = target
+                step, path = "serving", report.pop("path")
+                detail = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
+                log.info("replica %s: swap %s done (%s): %s", self.replica_id, swap_id, path, detail)
+            self.tokenizer = self.engine.tokenizer
+            self.engine_status = await self.engine.status()
+        finally:
+            self.draining = False
+        self._set_swap_step(swap_id, step, detail, path)
+
+    def _set_swap_step(self, swap_id: str, step: str, detail: str | None = None, path: str | None = None) -> None:
+        self.swap_progress = {"id": swap_id, "step": step, "detail": detail, "path": path, "at": time.time()}
+        self.controller.notify("report", self.replica_id, self.status())
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Let running requests finish on the old model (their steps run eager, labelled
+        rebuilding); past timeout_s the rest end with finish reason `abort` and an error event."""
+        for request_id in list(self.tenant_of):
+            self.denial_of[request_id] = FallbackReason.REBUILDING
+            self.engine.set_graph_denial(request_id, FallbackReason.REBUILDING)
+        deadline = time.monotonic() + timeout_s
+        while self.tenant_of and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for request_id in list(self.tenant_of):
+            log.warning("replica %s: request %s still running after the %g s drain; ending it", self.replica_id,
+                        request_id, timeout_s)  # fmt: skip
+            self.engine.cancel(request_id)
+        while self.tenant_of:  # their streams end at the engine's next step
+            await asyncio.sleep(0.02)
+
     async def check_health(self) -> None:
         await self.engine.check()
 
@@ -175,6 +266,9 @@ class LLMReplica:
         """Items: {"error", "status"} alone, or {"text", "finish_reason", "prompt_tokens",
         "completion_tokens"} chunks, possibly ended by an {"error", "status"} item when the engine
         failed mid-stream. The first item is sent as soon as it exists."""
+        if self.draining:  # not counted: the ingress sends it to another replica
+            yield {"error": "this replica is swapping its model", "status": 503, "swapping": True}
+            return
         tenant = request["tenant"]
         request_id = uuid.uuid4().hex
         start = time.monotonic()
@@ -219,6 +313,9 @@ class LLMReplica:
                         outcome = "ok"
                         if first_at is not None and event.completion_tokens > 1:
                             self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
+                    if event.finish_reason == "abort" and self.draining:  # ended by a swap's drain timeout
+                        yield {"error": "the model is being swapped and this request ran past the drain timeout; "
+                               "retry it", "status": 503}  # fmt: skip
             except (EngineDeadError, RequestFailed) as e:
                 outcome = "engine_failed"
                 log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)

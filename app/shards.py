@@ -15,6 +15,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -26,12 +27,26 @@ from workers.async_engine import EngineDeadError, StreamEvent
 from workers.checkpoint import load_tokenizer
 from workers.default_model import default_model_dir
 from workers.engine import EngineConfig, EngineStatus
-from workers.engine_process import EngineProcess
+from workers.engine_process import GATE, SWAP_IN_PLACE, EngineProcess
+from workers.model_gate import same_shapes
 from workers.sampling import SamplingParams
 from workers.shard import ShardWorker
 
 log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0
+
+
+class SwapFailed(RuntimeError):
+    """A swap did not pass its gate or could not start; the old model serves again."""
+
+
+def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
+    """Whether `new` only names another checkpoint of the same shapes (its weights load in place)."""
+    if old.model is None or new.model is None:
+        return False
+    same_settings = dataclasses.replace(new, model=old.model, model_revision=old.model_revision,
+                                        gate_prompts_file=old.gate_prompts_file) == old  # fmt: skip
+    return same_settings and same_shapes(Path(old.model), Path(new.model))
 
 
 class LocalEngine:
@@ -52,10 +67,45 @@ class LocalEngine:
         self.failure: str | None = None  # why the engine is down for good
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restarting: asyncio.Task | None = None
+        self.swapping = False  # a swap replaces the child on purpose: no restart meanwhile
         self.runner = self._spawn()
 
     def _spawn(self) -> EngineProcess:
         return EngineProcess(self.config, self.tokenizer, self._exited, self.start_timeout_s)
+
+    async def swap(self, config: EngineConfig) -> dict:
+        """Serve `config` (a new checkpoint or graph policy) instead, gated (`workers/model_gate.py`);
+        the engine must be drained. A checkpoint of the same shapes with nothing else changed is
+        loaded into the running child's parameters (its graphs stay); anything else gets a new
+        child (the old one exits first, freeing its model, KV pool and graphs). If the gate or the
+        start fails, the old model serves again (in place: its weights were kept; otherwise its
+        child is started again) and SwapFailed says why. Returns the gate's report and the path."""
+        old, start = self.config, time.monotonic()
+        self.swapping = True
+        try:
+            if _in_place(old, config):
+                try:
+                    report = await self.runner.ask(SWAP_IN_PLACE, config)
+                except Exception as e:
+                    raise SwapFailed(f"{e}") from e
+                self.tokenizer = self.runner.tokenizer = load_tokenizer(config.model)
+                self.config = config
+                return {**report, "path": "in_place", "total_s": time.monotonic() - start}
+            await asyncio.to_thread(self.runner.shutdown)
+            try:
+                self.config, self.tokenizer = config, load_tokenizer(config.model or default_model_dir())
+                self.runner = await asyncio.to_thread(self._spawn)
+                report = await self.runner.ask(GATE)
+            except Exception as e:
+                log.error("the new model did not pass (%s); starting the old one again", e)
+                if self.runner.alive:
+                    await asyncio.to_thread(self.runner.shutdown)
+                self.config, self.tokenizer = old, load_tokenizer(old.model or default_model_dir())
+                self.runner = await asyncio.to_thread(self._spawn)
+                raise SwapFailed(f"{e}") from e
+            return {**report, "path": "rebuild", "total_s": time.monotonic() - start}
+        finally:
+            self.swapping = False
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -69,6 +119,9 @@ class LocalEngine:
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.runner.set_graph_denial(request_id, reason)
+
+    def cancel(self, request_id: str) -> None:
+        self.runner.cancel(request_id)
 
     async def status(self) -> EngineStatus:
         """The child's status within timeout_s; a child that does not answer in time is killed (and
@@ -84,9 +137,9 @@ class LocalEngine:
             raise
 
     async def check(self) -> None:
-        """Passes while the engine answers or is being restarted; fails when it is down for good or
-        did not answer in time."""
-        if self.failure is None and not self.restarting:
+        """Passes while the engine answers or is being restarted or swapped; fails when it is down for
+        good or did not answer in time."""
+        if self.failure is None and not self.restarting and not self.swapping:
             try:
                 await self.status()
             except EngineDeadError:
@@ -111,7 +164,7 @@ class LocalEngine:
                 self._loop.call_soon_threadsafe(self._restart_soon, error)
 
     def _restart_soon(self, error: BaseException | None) -> None:
-        if self.restarting or self.failure is not None or self.runner.alive:
+        if self.restarting or self.swapping or self.failure is not None or self.runner.alive:
             return
         if self._take_restart(error):
             self._restarting = asyncio.ensure_future(self._restart(error))

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # Tensors some checkpoints carry that a serving model derives or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+REVISION_SAMPLE = 1 << 20
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -51,10 +52,16 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 def model_revision(model_dir: Path) -> str:
-    """A short content id of the checkpoint: config plus the weight files' names and sizes."""
+    """A short content id of the checkpoint: config, and each weight file's name, size and first and
+    last MiB (enough to tell two checkpoints of one shape apart without reading gigabytes)."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as data:
+            h.update(data.read(REVISION_SAMPLE))
+            data.seek(max(0, size - REVISION_SAMPLE))
+            h.update(data.read(REVISION_SAMPLE))
     return h.hexdigest()[:12]
 
 
@@ -69,9 +76,17 @@ def load_model(
     cfg = load_config(model_dir)
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    files = weight_files(model_dir)
     with torch.device(device):
         model = LlamaModel(cfg, max_model_len, tp=tp)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
+    """Copy a checkpoint's tensors into the model's existing parameters (this rank's shard of
+    each): storage and addresses stay, so captured graphs read the new weights."""
+    model_dir = Path(model_dir)
+    files = weight_files(model_dir)
     targets = model.checkpoint_map()
     missing = sorted(set(targets) - set(files))
     if missing:
@@ -95,7 +110,6 @@ def load_model(
                     return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
 
                 module.load(kind, part, read)
-    return model.eval()
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -91,13 +91,14 @@ def tiny_hf_config(vocab_size: int) -> dict:
     )  # fmt: skip
 
 
-def random_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named random weights. The output head is scaled up so greedy choices are clear-cut."""
-    g = torch.Generator().manual_seed(seed)
+def random_state_dict(cfg: ModelConfig, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """HF-named random weights, on the host (made on `device`: a GPU makes 8B of them in seconds).
+    The output head is scaled up so greedy choices are clear-cut."""
+    g = torch.Generator(device=device).manual_seed(seed)
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
 
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std).to(cfg.dtype)
+        return (torch.randn(*shape, generator=g, device=device) * std).to(cfg.dtype).cpu()
 
     sd = {"model.embed_tokens.weight": rand(cfg.vocab_size, h, std=1.0), "model.norm.weight": 1 + rand(h)}
     if not cfg.tie_word_embeddings:
@@ -120,9 +121,12 @@ def random_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def write_checkpoint(path: Path, hf_config: dict, tokenizer, seed: int, max_shard_tensors: int = 0) -> Path:
+def write_checkpoint(
+    path: Path, hf_config: dict, tokenizer, seed: int, max_shard_tensors: int = 0, device: str = "cpu"
+) -> Path:
     """Write a real checkpoint directory: config.json through transformers, safetensors weights
-    (sharded with an index when max_shard_tensors > 0), and the tokenizer via save_pretrained."""
+    (sharded with an index when max_shard_tensors > 0, made on `device`), and the tokenizer via
+    save_pretrained."""
     import json
 
     from transformers import AutoConfig
@@ -134,7 +138,7 @@ def write_checkpoint(path: Path, hf_config: dict, tokenizer, seed: int, max_shar
     hf.dtype = hf_config.get("dtype", "float32")
     path.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(path)
-    sd = random_state_dict(cfg, seed)
+    sd = random_state_dict(cfg, seed, device)
     if max_shard_tensors <= 0:
         save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
     else:

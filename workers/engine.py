@@ -17,7 +17,7 @@ from policies.graph_policy import GraphPolicy
 from policies.kv_blocks import BlockManager
 from workers.attention import make_backend
 from workers.checkpoint import load_model, load_tokenizer, model_revision
-from workers.config import DTYPES, load_config
+from workers.config import DTYPES, ModelConfig, load_config
 from workers.default_model import default_model_dir
 from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache
@@ -36,6 +36,8 @@ MB = 1 << 20
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None = the embedded tiny default
+    model_revision: str | None = None  # the model's label; None = a content id of the checkpoint
+    gate_prompts_file: str | None = None  # JSON lines of {"prompt", "completion"} a swapped-in model must decode
     max_num_seqs: int | None = None  # the batch limit; None = 256 on CUDA, 32 on CPU
     max_model_len: int = 2048  # capped at the model's max_position_embeddings
     max_waiting: int = 1024
@@ -120,10 +122,15 @@ def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | No
     dtype = DTYPES[config.dtype] if config.dtype else None
     model = load_model(model_dir, max_len, device, dtype, tp=tp)
     tokenizer = load_tokenizer(model_dir)
+    return model, tokenizer, eos_ids(cfg, tokenizer), config.model_revision or model_revision(model_dir)
+
+
+def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence ids: its config's and its tokenizer's."""
     eos = set(cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return model, tokenizer, tuple(sorted(eos)), model_revision(model_dir)
+    return tuple(sorted(eos))
 
 
 class LLMEngine:

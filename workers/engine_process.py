@@ -29,11 +29,16 @@ from multiprocessing.connection import Connection
 from workers import fault_injection
 from workers.async_engine import STOP, Command, EngineDeadError, StreamFront, run_step_loop
 from workers.engine import EngineConfig, EngineStatus, LLMEngine
+from workers.model_gate import run_gate, swap_weights_in_place
 
 log = logging.getLogger(__name__)
 
-# Messages from the child: (kind, payload).
-READY, EVENTS, STATUS, FAILED = "ready", "events", "status", "failed"
+# Messages from the child: (kind, payload); REPLY answers a question (the commands in QUESTIONS), in order.
+READY, EVENTS, REPLY, FAILED = "ready", "events", "reply", "failed"
+# Questions to the child, answered between two steps: its status; load a checkpoint of the same
+# shapes in place and gate it (payload: the new EngineConfig); gate the model it has.
+STATUS, SWAP_IN_PLACE, GATE = "status", "swap_in_place", "gate"
+QUESTIONS = (STATUS, SWAP_IN_PLACE, GATE)
 EXIT_WAIT_S = 10.0
 
 # What the child takes from the replica's environment: paths, locale, and the settings of the
@@ -96,7 +101,7 @@ class EngineProcess(StreamFront):
         self.on_exit = on_exit
         self._stopping = False
         self._send_lock = threading.Lock()
-        self._status_replies: deque[concurrent.futures.Future] = deque()
+        self._replies: deque[concurrent.futures.Future] = deque()
         self._reader = threading.Thread(target=self._read, name="graphserve-engine-events", daemon=True)
         self._reader.start()
 
@@ -111,13 +116,17 @@ class EngineProcess(StreamFront):
     async def status(self, timeout_s: float | None = None) -> EngineStatus:
         """The engine's status, answered by the child between two steps; TimeoutError when it does
         not answer within timeout_s (a wedged child)."""
+        return await self.ask(STATUS, None, timeout_s)
+
+    async def ask(self, question: str, payload: object = None, timeout_s: float | None = None):
+        """The child's answer to one of QUESTIONS; an error it answers with is raised here."""
         reply: concurrent.futures.Future = concurrent.futures.Future()
         with self._send_lock:
             if not self.alive:
                 raise EngineDeadError(f"the engine process has stopped: {self.error!r}")
-            self._status_replies.append(reply)
+            self._replies.append(reply)
             try:
-                self._commands.send((STATUS, None))
+                self._commands.send((question, payload))
             except OSError as e:  # the child is gone; the reader reports it
                 raise EngineDeadError(f"the engine process has stopped: {e!r}") from e
         return await asyncio.wait_for(asyncio.wrap_future(reply), timeout_s)
@@ -159,10 +168,13 @@ class EngineProcess(StreamFront):
                 kind, payload = self._receive_from_child()
                 if kind == EVENTS:
                     self._emit(payload)
-                elif kind == STATUS:
-                    reply = self._status_replies.popleft()
+                elif kind == REPLY:
+                    reply = self._replies.popleft()
                     if reply.set_running_or_notify_cancel():  # False: its caller gave up waiting
-                        reply.set_result(payload)
+                        if isinstance(payload, BaseException):
+                            reply.set_exception(payload)
+                        else:
+                            reply.set_result(payload)
                 else:
                     break
         except BaseException as e:
@@ -175,8 +187,8 @@ class EngineProcess(StreamFront):
             log.error("engine process (pid %d) failed: %s", self.pid, payload)
         with self._send_lock:
             self.error = payload
-            while self._status_replies:
-                reply = self._status_replies.popleft()
+            while self._replies:
+                reply = self._replies.popleft()
                 if reply.set_running_or_notify_cancel():
                     reply.set_exception(payload)
         self._emit_failure(payload)
@@ -192,11 +204,24 @@ def serve_engine(commands: Connection, events: Connection) -> None:
     the request limits, then step until told to stop or the parent goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then stops us
     try:
-        engine, _ = LLMEngine.from_config(commands.recv())
+        engine, tokenizer = LLMEngine.from_config(commands.recv())
     except BaseException as e:
         events.send((FAILED, _portable(e)))
         return
     fault_injection.arm_from_environment(engine.runner._replays)
+
+    def answer(question: str, payload: object) -> object:
+        nonlocal tokenizer
+        if question == STATUS:
+            return engine.status()
+        try:
+            if question == SWAP_IN_PLACE:
+                tokenizer, report = swap_weights_in_place(engine, payload)
+                return report
+            return run_gate(engine, tokenizer, engine.config.gate_prompts_file)
+        except Exception as e:  # the engine serves on (an in-place swap put the old weights back)
+            log.error("%s failed: %s", question, e)
+            return _portable(e)
 
     def receive(timeout: float | None) -> Command | None:
         try:
@@ -205,9 +230,9 @@ def serve_engine(commands: Connection, events: Connection) -> None:
             command = commands.recv()
         except EOFError:  # the parent is gone
             return STOP, None
-        if command[0] != STATUS:
+        if command[0] not in QUESTIONS:
             return command
-        events.send((STATUS, engine.status()))
+        events.send((REPLY, answer(*command)))
         return None
 
     events.send((READY, engine.scheduler.limits))

@@ -379,10 +379,19 @@ class GraphRunner:
     @torch.inference_mode()
     def verify(self) -> None:
         """Before READY: each captured bucket must replay what the same step computes eagerly on a
-        probe batch (`probe`, attending to random K/V from `_probe_kv`, both runs from the same
-        cache state), or it is withdrawn (`verify_mismatch`). Non-finite logits always fail: NaN
-        compares False with any tolerance. Every real slot's KV is left as it was (only the scratch
-        slot may change), so this may run again, also with live sequences in the cache."""
+        probe batch, or it is withdrawn (`verify_mismatch`)."""
+        for bucket, detail in self.check_buckets().items():
+            self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, detail)
+            log.warning("bucket %d failed verification: %s", bucket, detail)
+
+    def check_buckets(self) -> dict[int, str]:
+        """Each captured bucket's replay against the same step run eagerly on a probe batch (`probe`,
+        attending to random K/V from `_probe_kv`, both runs from the same cache state): the buckets
+        that disagree, with why. Withdraws nothing, so a model gate can check and still put the old
+        weights back. Non-finite logits always fail: NaN compares False with any tolerance. Every
+        real slot's KV is left as it was (only the scratch slot may change), so this may run again,
+        also with live sequences in the cache."""
+        failed = {}
         for bucket in sorted(self.table.ready):
             seed = bucket + 1
             batch = self.probe(bucket, seed)
@@ -399,12 +408,12 @@ class GraphRunner:
             same_tokens = torch.equal(replayed.argmax(-1), eager.argmax(-1))
             if finite and same_tokens and diff <= tolerance:
                 continue
-            if finite:
-                detail = f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
-            else:
-                detail = f"non-finite logits: max |graph - eager| = {diff}"
-            self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, detail)
-            log.warning("bucket %d failed verification: %s", bucket, detail)
+            failed[bucket] = (
+                f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
+                if finite
+                else f"non-finite logits: max |graph - eager| = {diff}"
+            )
+        return failed
 
     def agree(self) -> None:
         """With tensor parallelism: a bucket replays only if it is ready on every rank; otherwise

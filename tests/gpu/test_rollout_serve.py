@@ -121,4 +121,5 @@ def test_a_faulty_bucket_rolls_the_rollout_back_within_a_second(app):
     assert answer["choices"][0]["text"] == texts[0]  # eager, with the tokens it had before the fault
     final = decode_rows(settled(server.replica_status))
     grown = {key: final[key] - after.get(key, 0) for key in final if final[key] != after.get(key, 0)}
-    assert grown == {("eager", "rollout_holdback"): answer["usage"]["completion_tokens"] - 1}, grown
+    stopped = answer["choices"][0]["finish_reason"] == "stop"  # its EOS came from one more decode step
+    assert grown == {("eager", "rollout_holdback"): answer["usage"]["completion_tokens"] - 1 + stopped}, grown

@@ -36,8 +36,12 @@ ADMIN_CALLS = [
     ("POST", "/admin/rollouts", {"steps": [{"percent": 100}]}),
     ("GET", "/admin/rollouts/current", None),
     ("POST", "/admin/rollouts/current/abort", None),
+    ("POST", "/admin/model", {"model": "/nonexistent"}),
+    ("GET", "/admin/model", None),
+    ("PUT", "/admin/graph-policy", {"mode": "eager"}),
 ]
-ADMIN_CALL_IDS = ["get-toggle", "put-toggle", "status", "audit", "start-rollout", "get-rollout", "abort-rollout"]
+ADMIN_CALL_IDS = ["get-toggle", "put-toggle", "status", "audit", "start-rollout", "get-rollout", "abort-rollout",
+                  "start-swap", "get-model", "put-graph-policy"]  # fmt: skip
 
 # Small enough for 2 cores and 24 GiB: one replica, fractional CPUs, short contexts.
 BASE_ARGS: dict[str, Any] = {

@@ -141,7 +141,7 @@ def test_the_decision_loop_runs_on_its_own(tmp_path):
         c = make(tmp_path)
         c.report("r1", replica_status(1))
         version, permissions = await c.get_permissions()
-        assert permissions == {"toggles": INITIAL, "rollout": None}
+        assert permissions == {"toggles": INITIAL, "rollout": None, "swap": None, "serving_model": None}
         c.start_rollout(PLAN, "alice")
         assert (await c.get_permissions(version))[1]["rollout"] == {"unit": "request", "percent": 10.0, "salt": ""}
         c.report("r1", replica_status(2))

@@ -1,0 +1,145 @@
+"""The gate a model passes before a swap lets it serve, and the in-place swap of weights behind it.
+
+A new checkpoint can be wrong in ways that load fine: NaN or inf weights, weights that captured
+graphs do not read (a parameter whose storage was replaced instead of written), numerics a graph
+gets wrong. The gate checks, on an engine with no live sequences:
+1. an eager prefill of golden prompts gives finite logits (this part needs no graphs: CPU too);
+2. every captured bucket replays what eager computes on probe batches (`GraphRunner.check_buckets`);
+3. the golden prompts decoded greedily through the graphs give the tokens eager decoding gives;
+4. optionally, an operator's JSON-lines file of {"prompt", "completion"} decodes greedily to each
+   completion.
+It withdraws nothing, so a failed in-place swap can copy the old weights back (kept on the host)
+and serve on with the graphs it had. Counters restart after a gate: they are the new model's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from policies.dispatch import FallbackReason
+from workers.checkpoint import load_tokenizer, load_weights, model_revision
+from workers.config import load_config
+from workers.engine import EngineConfig, LLMEngine, eos_ids
+from workers.sampling import SamplingParams
+from workers.stats import EngineStats
+from workers.step_inputs import PrefillInputs
+from workers.tp import PREFILL
+
+GOLDEN_PROMPTS = 4  # rows of one decode batch: a captured bucket of the smallest ladders
+GOLDEN_PROMPT_LEN = 12
+GOLDEN_TOKENS = 8
+
+
+class GateFailed(RuntimeError):
+    """The model did not pass the gate; the message says which check and the numbers."""
+
+
+def golden_prompts(vocab_size: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(20261201)
+    return torch.randint(0, vocab_size, (GOLDEN_PROMPTS, GOLDEN_PROMPT_LEN), generator=g).tolist()
+
+
+@torch.inference_mode()
+def run_gate(engine: LLMEngine, tokenizer, prompts_file: str | None) -> dict:
+    """Raise GateFailed at the first check that fails; else what was checked, and how long it took."""
+    if engine.has_work():
+        raise GateFailed("the engine still has requests: the gate needs it drained")
+    start = time.perf_counter()
+    prompts = golden_prompts(engine.model.cfg.vocab_size)
+    _eager_probe(engine, prompts)
+    failed = engine.runner.check_buckets()
+    if failed:
+        raise GateFailed("graphs disagree with eager: " + "; ".join(f"decode_bs_{b}: {d}" for b, d in failed.items()))
+    graphs = _greedy(engine, prompts, GOLDEN_TOKENS, None)
+    eager = _greedy(engine, prompts, GOLDEN_TOKENS, FallbackReason.DISABLED)
+    for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
+        if g != e:
+            raise GateFailed(f"golden prompt {i}: graph decoding gave {g}, eager {e}")
+    checked = len(_operator_prompts(engine, tokenizer, prompts_file)) if prompts_file else 0
+    engine.stats = EngineStats(engine.revision, engine.model.attention_backend.name)
+    engine.runner.shadow.results.clear()
+    return {"buckets": len(engine.runner.table.ready), "golden_prompts": len(prompts),
+            "operator_prompts": checked, "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+def _eager_probe(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    lens = [len(p) for p in prompts]
+    batch = PrefillInputs([t for p in prompts for t in p], [i for n in lens for i in range(n)],
+                          [engine.cache.scratch_slot] * sum(lens), lens)  # fmt: skip
+    engine._send(PREFILL, batch)
+    logits = engine.runner.prefill(batch)
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise GateFailed(f"eager probe: {bad} of {logits.numel()} logits are not finite (NaN or inf weights?)")
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, denial: FallbackReason | None) -> list:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(p, params, f"gate-{i}", denial) for i, p in enumerate(prompts)]
+    while engine.has_work():
+        engine.step()
+    return [list(s.output_ids) for s in seqs]
+
+
+def _operator_prompts(engine: LLMEngine, tokenizer, path: str) -> list[dict]:
+    """Each line's prompt, decoded greedily (stopping at EOS) for its `max_tokens` (default: as many
+    tokens as its completion has), must give exactly that completion."""
+    try:
+        cases = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise GateFailed(f"gate_prompts_file {path}: {e}") from e
+    for i, case in enumerate(cases, 1):
+        if not (isinstance(case, dict) and isinstance(case.get("prompt"), str)
+                and isinstance(case.get("completion"), str)
+                and isinstance(case.get("max_tokens", 1), int)):  # fmt: skip
+            raise GateFailed(f"gate_prompts_file {path}, line {i}: want "
+                             '{"prompt": str, "completion": str, optional "max_tokens": int}')  # fmt: skip
+        n = case.get("max_tokens") or len(tokenizer(case["completion"], add_special_tokens=False)["input_ids"])
+        seq = engine.add_request(tokenizer(case["prompt"])["input_ids"], SamplingParams(max_tokens=max(1, n),
+                                 temperature=0.0), f"gate-file-{i}")  # fmt: skip
+        while engine.has_work():
+            engine.step()
+        got = tokenizer.decode([t for t in seq.output_ids if t not in engine.eos_token_ids], skip_special_tokens=True)
+        if got != case["completion"]:
+            raise GateFailed(f"gate_prompts_file line {i}: expected {case['completion']!r}, got {got!r}")
+    return cases
+
+
+def same_shapes(old_dir: Path, new_dir: Path) -> bool:
+    """Whether new_dir's model has old_dir's architecture and every shape (then weights load in place)."""
+    return load_config(old_dir) == load_config(new_dir)
+
+
+def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
+    """Load the weights of `config.model` (a checkpoint of the same shapes) into the engine's
+    parameters, so graphs keep their addresses, and gate them. On failure the old weights, kept on
+    the host, are copied back and GateFailed (or the load's error) is raised: the engine serves the
+    old model as before. Returns (tokenizer, gate report)."""
+    if engine.has_work():
+        raise GateFailed("the engine still has requests: a swap needs it drained")
+    model_dir = Path(config.model)
+    params = [(name, p, p.data) for name, p in engine.model.named_parameters()]
+    backup = [data.to("cpu", copy=True) for _, _, data in params]
+    old = engine.config, engine.revision, engine.eos_token_ids
+    try:
+        load_weights(engine.model, model_dir)
+        moved = [name for name, p, data in params if p.data.data_ptr() != data.data_ptr()]
+        if moved:
+            raise GateFailed(f"{len(moved)} parameter(s) moved to new storage while loading (e.g. {moved[0]}): "
+                             "captured graphs would read the old weights")  # fmt: skip
+        tokenizer = load_tokenizer(model_dir)
+        engine.config, engine.revision = config, config.model_revision or model_revision(model_dir)
+        engine.eos_token_ids = set(eos_ids(load_config(model_dir), tokenizer))
+        report = run_gate(engine, tokenizer, config.gate_prompts_file)
+    except BaseException:
+        with torch.no_grad():
+            for (_, p, data), saved in zip(params, backup, strict=True):
+                p.data = data  # the storage the graphs read
+                data.copy_(saved)
+        engine.config, engine.revision, engine.eos_token_ids = old
+        raise
+    return tokenizer, report
