@@ -26,6 +26,7 @@ import logging
 import os
 import tempfile
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,14 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from app.config import AppConfig
+from policies.bucket_choice import best_buckets, graph_memory_mb, ladder_cost
 from policies.model_swap import Swap, SwapPhase, SwapRequest
 from policies.rollout import CohortSignals, Rollout, RolloutConflict, RolloutPlan, Signals
 
 log = logging.getLogger(__name__)
 
 AUDIT_KEEP = 1000
+DEFAULT_RECOMMENDED_BUCKETS = 8
 STALE_AFTER_S = 10.0
 
 
@@ -399,6 +402,36 @@ class GraphController:
         reason = swap.check_timeouts(time.time() if now is None else now)
         if reason is not None:
             self._swap_changed(swap, None, reason)
+
+    # -- bucket recommendation -------------------------------------------------------------------
+
+    def bucket_recommendation(self, max_buckets: int | None) -> dict:
+        """The bucket ladder of at most max_buckets sizes (default: as many as now) that would have
+        padded least on the decode batch sizes the replicas ran, against the current ladder."""
+        histogram: Counter[int] = Counter()
+        current: set[int] = set()
+        memory: dict[int, float] = {}
+        for status in self.replica_statuses().values():
+            for size, steps in (status.get("stats") or {}).get("decode_batch_sizes", {}).items():
+                histogram[int(size)] += steps
+            for name, bucket in (status.get("buckets") or {}).items():
+                size = int(name.rsplit("_", 1)[1])
+                current.add(size)
+                if bucket.get("memory_mb"):
+                    memory[size] = max(memory.get(size, 0.0), bucket["memory_mb"])
+        if not histogram:
+            return {"error": "no replica has reported a decode step yet: nothing to recommend from", "status": 409}
+        n = max_buckets or len(current) or DEFAULT_RECOMMENDED_BUCKETS
+        now, best = ladder_cost(histogram, sorted(current)), ladder_cost(histogram, best_buckets(histogram, n))
+        return {
+            "max_buckets": n, "decode_steps": sum(histogram.values()),
+            "batch_sizes": dict(sorted(histogram.items())),
+            "recommended": {"buckets": list(best.buckets), "padding_waste": best.padding_waste,
+                            "graph_hit_rate": best.graph_hit_rate,
+                            "graph_memory_mb": graph_memory_mb(best.buckets, memory)},
+            "current": {"buckets": list(now.buckets), "padding_waste": now.padding_waste,
+                        "graph_hit_rate": now.graph_hit_rate, "graph_memory_mb": graph_memory_mb(now.buckets, memory)},
+        }  # fmt: skip
 
     def signals(self) -> Signals:
         return signals_from_statuses(self.replicas)

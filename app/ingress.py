@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
 RETRY_AFTER = {"Retry-After": "5"}
 SWAP_RETRY_S = 0.05
+MAX_RECOMMENDED_BUCKETS = 64
 
 
 @api.exception_handler(HTTPException)
@@ -387,6 +388,22 @@ class Ingress:
                           "max_model_len": st.get("max_model_len"), "swap": st.get("swap")}
                     for rid, st in statuses.items()}  # fmt: skip
         return JSONResponse(finite({"served_model_name": self.model_name, "replicas": replicas, "swap": swap}))
+
+    @api.get("/admin/buckets/recommendation")
+    async def bucket_recommendation(self, request: Request) -> Response:
+        """Bucket sizes fitted to the live batch-size distribution (apply them with PUT
+        /admin/graph-policy)."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        raw = request.query_params.get("max_buckets")
+        if raw is not None and not (re.fullmatch("[0-9]{1,3}", raw) and 1 <= int(raw) <= MAX_RECOMMENDED_BUCKETS):
+            return JSONResponse({"detail": f"max_buckets must be an integer from 1 to {MAX_RECOMMENDED_BUCKETS}, "
+                                 f"got {raw[:40]!r}"}, status_code=400)  # fmt: skip
+        result = await self.controller.call("bucket_recommendation", int(raw) if raw is not None else None)
+        if "error" in result:
+            return JSONResponse({"detail": result["error"]}, status_code=result["status"])
+        return JSONResponse(finite(result))
 
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:

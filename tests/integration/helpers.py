@@ -39,9 +39,10 @@ ADMIN_CALLS = [
     ("POST", "/admin/model", {"model": "/nonexistent"}),
     ("GET", "/admin/model", None),
     ("PUT", "/admin/graph-policy", {"mode": "eager"}),
+    ("GET", "/admin/buckets/recommendation?max_buckets=4", None),
 ]
 ADMIN_CALL_IDS = ["get-toggle", "put-toggle", "status", "audit", "start-rollout", "get-rollout", "abort-rollout",
-                  "start-swap", "get-model", "put-graph-policy"]  # fmt: skip
+                  "start-swap", "get-model", "put-graph-policy", "bucket-recommendation"]  # fmt: skip
 
 # Small enough for 2 cores and 24 GiB: one replica, fractional CPUs, short contexts.
 BASE_ARGS: dict[str, Any] = {

@@ -1,0 +1,97 @@
+"""A single replica (real Ray Serve, tiny checkpoints): requests sent while it swaps its model wait
+and are served afterwards, none lost; a graph-policy rebuild puts the new bucket ladder in force;
+the bucket recommendation is fitted to the batch sizes the replica ran."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.integration.helpers import running_app, wait_for
+from tests.integration.test_model_swap import MAX_MODEL_LEN, MODEL, engine_alone, write_checkpoints
+
+ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("swap-single")
+    paths = write_checkpoints(tmp)
+    args = {"model": str(paths["v1"]), "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN}
+    with running_app(tmp, name="swap1", args=args, admin_token=ADMIN_TOKEN) as server:
+        server.wait_ready()
+        yield server, paths
+
+
+def admin(server, method: str, path: str, body: dict | None = None):
+    return server.http.request(method, path, json=body, headers=server.admin_headers())
+
+
+def finished_swap(server) -> dict:
+    return wait_for(lambda: (s := admin(server, "GET", "/admin/model").json()["swap"])["phase"] != "Progressing" and s,
+                    120, interval=0.1, what="the swap to finish")  # fmt: skip
+
+
+def test_requests_during_a_swap_wait_and_are_served(app):
+    server, paths = app
+    answers: list[tuple[float, str, int, str]] = []
+
+    def one(prompt: str) -> None:
+        sent = time.time()
+        r = server.complete(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        answers.append((sent, prompt, r.status_code, text))
+
+    started = admin(server, "POST", "/admin/model", {"model": str(paths["wide"]), "revision": "wide-1"})
+    assert started.status_code == 202, started.text
+    threads = [threading.Thread(target=one, args=(p,)) for p in ("Hello", "The capital of", "1 2 3") * 3]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(120)
+    swap = finished_swap(server)
+    assert swap["phase"] == "Succeeded", swap
+    (progress,) = swap["replicas"].values()
+    at = {s["step"]: s["at"] for s in progress["steps"]}
+    assert any(at["draining"] <= sent <= at["serving"] for sent, *_ in answers), (at, answers)  # some waited
+    assert [code for _, _, code, _ in answers] == [200] * len(threads), answers
+    prompts = ("Hello", "The capital of", "1 2 3")
+    old = dict(zip(prompts, engine_alone(paths["v1"]), strict=True))
+    new = dict(zip(prompts, engine_alone(paths["wide"]), strict=True))
+    for sent, prompt, _, text in answers:  # sent once the replica drained: the new model's tokens
+        assert text == new[prompt] if sent >= at["draining"] else text in (old[prompt], new[prompt]), (prompt, text)
+    status = next(iter(server.admin_status()["replicas"].values()))
+    assert status["model_revision"] == "wide-1" and status["state"] == "READY"
+    assert admin(server, "POST", "/admin/model", {"model": str(paths["v1"]), "colour": 1}).status_code == 400
+
+
+def test_a_graph_policy_rebuild_and_the_bucket_recommendation(app):
+    server, _ = app
+    bad = admin(server, "PUT", "/admin/graph-policy", {"decode_batch_buckets": [4, 2]})
+    assert bad.status_code == 400 and "decode_batch_buckets" in bad.text
+    for query in ("0", "abc", "65", "²", "9" * 5000):
+        assert admin(server, "GET", f"/admin/buckets/recommendation?max_buckets={query}").status_code == 400
+
+    threads = [threading.Thread(target=server.complete, kwargs={"prompt": "x" * (i + 1), "max_tokens": 24})
+               for i in range(5)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    rec = wait_for(lambda: (r := admin(server, "GET", "/admin/buckets/recommendation?max_buckets=3")).status_code
+                   == 200 and r.json(), 30, what="a recommendation")  # fmt: skip
+    seen = {int(s) for s in rec["batch_sizes"]}
+    assert set(rec["recommended"]["buckets"]) <= seen and max(rec["recommended"]["buckets"]) == max(seen)
+    assert len(rec["recommended"]["buckets"]) <= 3 and rec["recommended"]["graph_hit_rate"] == 1.0
+    assert rec["recommended"]["padding_waste"] <= rec["current"]["padding_waste"] + 1e-9
+
+    applied = admin(server, "PUT", "/admin/graph-policy", {"decode_batch_buckets": rec["recommended"]["buckets"]})
+    assert applied.status_code == 202, applied.text
+    assert finished_swap(server)["phase"] == "Succeeded"
+    status = next(iter(server.admin_status()["replicas"].values()))
+    assert sorted(status["buckets"]) == sorted(f"decode_bs_{b}" for b in rec["recommended"]["buckets"])
+    assert server.complete(prompt="Hello", max_tokens=4).status_code == 200
