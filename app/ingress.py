@@ -158,8 +158,22 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         if auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys) is None:
             return error_response(401, "invalid or missing API key")
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "graphserve"}]})  # fmt: skip
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "graphserve"}
+        return JSONResponse({"object": "list", "data": [{**card, **await self._serving()}]})
+
+    async def _serving(self) -> dict:
+        """What the READY replicas serve (it follows a model swap): checkpoint, revision(s) and
+        max_model_len; nothing when the controller does not answer (the card alone is still right)."""
+        try:
+            statuses = await self.controller.call("replica_statuses")
+        except ControllerUnavailable:
+            return {}
+        ready = [s for _, s in sorted(statuses.items()) if s.get("state") == "READY"]
+        if not ready:
+            return {}
+        revisions = sorted({s.get("model_revision") for s in ready})
+        return {"root": ready[0].get("model") or TINY_NAME, "revision": revisions[0] if len(revisions) == 1 else
+                revisions, "max_model_len": min(s.get("max_model_len", 0) for s in ready)}  # fmt: skip
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

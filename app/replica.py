@@ -129,6 +129,7 @@ class LLMReplica:
         if self.draining:
             status["state"] = EngineState.REBUILDING.value
         status["swap"] = self.swap_progress
+        status["model"] = self.config.model
         return status
 
     async def _serving_model(self) -> dict | None:

@@ -63,6 +63,13 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def clear(self) -> None:
+        """Zero every page, in place (the graphs keep their addresses); only with no live sequence.
+        A model that failed its gate may have left NaN in pages, and attention multiplies the
+        values at masked positions by 0, which keeps a NaN."""
+        self.k.zero_()
+        self.v.zero_()
+
     def set_pages(self, edits: list[int]) -> None:
         """Apply block-table edits, a flat list of (slot, index, page) triples, in one copy."""
         if edits:

@@ -140,6 +140,7 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
             for (_, p, data), saved in zip(params, backup, strict=True):
                 p.data = data  # the storage the graphs read
                 data.copy_(saved)
+        engine.cache.clear()  # what the failed model wrote (NaN, maybe) must not reach a later attention
         engine.config, engine.revision, engine.eos_token_ids = old
         raise
     return tokenizer, report

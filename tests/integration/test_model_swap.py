@@ -139,6 +139,8 @@ def test_swaps_under_load(app):
         "draining", "loading", "serving"] * 2  # fmt: skip
     assert revisions(server) == ["v2", "v2"]
     assert served(server) == engine_alone(paths["v2"])
+    (card,) = server.http.get("/v1/models", headers=server.key_headers()).json()["data"]
+    assert (card["id"], card["root"], card["revision"]) == (MODEL, str(paths["v2"]), "v2")
 
     with Load(server) as load:
         view = swap_to(server, paths["nan"], "nan")

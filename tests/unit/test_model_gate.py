@@ -29,7 +29,7 @@ def checkpoints(tmp_path_factory):
     new = write_checkpoint(tmp / "new", shape, tokenizer, seed=2)
     nan = write_checkpoint(tmp / "nan", shape, tokenizer, seed=3)
     state = load_file(nan / "model.safetensors")
-    state["model.layers.1.mlp.down_proj.weight"][0, 0] = math.nan
+    state["model.layers.0.self_attn.o_proj.weight"][:, 0] = math.nan  # NaN reaches layer 1's KV
     save_file(state, nan / "model.safetensors", metadata={"format": "pt"})
     wide = write_checkpoint(tmp / "wide", {**shape, "hidden_size": 128, "intermediate_size": 256}, tokenizer, seed=4)
     return {"old": old, "new": new, "nan": nan, "wide": wide}
