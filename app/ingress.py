@@ -23,7 +23,7 @@ from app.metrics import render
 from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
 from policies.graph_policy import GraphPolicy
-from workers.default_model import TINY_NAME
+from workers.modeling.default_model import TINY_NAME
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)

@@ -30,10 +30,10 @@ from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
-from workers.async_engine import EngineDeadError, RequestFailed, StreamEvent
-from workers.engine import EngineConfig
-from workers.sampling import InvalidRequest, SamplingParams
-from workers.scheduler import QueueFull
+from workers.serving.async_engine import EngineDeadError, RequestFailed, StreamEvent
+from workers.serving.engine import EngineConfig
+from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 1.0

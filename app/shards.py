@@ -23,14 +23,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
-from workers.async_engine import EngineDeadError, StreamEvent
-from workers.checkpoint import load_tokenizer
-from workers.default_model import default_model_dir
-from workers.engine import EngineConfig, EngineStatus
-from workers.engine_process import GATE, SWAP_IN_PLACE, EngineProcess
-from workers.model_gate import same_shapes
-from workers.sampling import SamplingParams
-from workers.shard import ShardWorker
+from workers.modeling.checkpoint import load_tokenizer
+from workers.modeling.default_model import default_model_dir
+from workers.serving.async_engine import EngineDeadError, StreamEvent
+from workers.serving.engine import EngineConfig, EngineStatus
+from workers.serving.engine_process import GATE, SWAP_IN_PLACE, EngineProcess
+from workers.serving.model_gate import same_shapes
+from workers.serving.sampling import SamplingParams
+from workers.tensor_parallel.shard import ShardWorker
 
 log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0
@@ -51,7 +51,7 @@ def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
 
 class LocalEngine:
     """tensor_parallel_size 1: no actors; the step loop runs in a child process of the replica
-    (`workers/engine_process.py` says why not in a thread).
+    (`workers/serving/engine_process.py` says why not in a thread).
 
     A child that dies, or does not answer within timeout_s (then it is killed), is started again in
     place while the restart budget allows; requests wait for it in `wait_ready`. Once the budget is
@@ -74,7 +74,7 @@ class LocalEngine:
         return EngineProcess(self.config, self.tokenizer, self._exited, self.start_timeout_s)
 
     async def swap(self, config: EngineConfig) -> dict:
-        """Serve `config` (a new checkpoint or graph policy) instead, gated (`workers/model_gate.py`);
+        """Serve `config` (a new checkpoint or graph policy) instead, gated (`workers/serving/model_gate.py`);
         the engine must be drained. A checkpoint of the same shapes with nothing else changed is
         loaded into the running child's parameters (its graphs stay); anything else gets a new
         child (the old one exits first, freeing its model, KV pool and graphs). If the gate or the

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from policies.graph_policy import GraphPolicy
-from workers.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
-from workers.engine import EngineConfig, LLMEngine
-from workers.model_gate import run_gate, swap_weights_in_place
+from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.model_gate import run_gate, swap_weights_in_place
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 

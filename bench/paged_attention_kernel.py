@@ -1,4 +1,4 @@
-"""Per-call time of the paged decode kernel (`workers/paged_attention.py`) against the plain-torch
+"""Per-call time of the paged decode kernel (`workers/kv/paged_attention.py`) against the plain-torch
 reference that gathers each row's whole block-table row, on the 8B and 1B attention shapes.
 
 Each timing replays a CUDA graph of many calls (per-call time = graph time / calls, so launch cost
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from workers.paged_attention import SplitConfig, default_config, paged_decode_reference, run_kernel
+from workers.kv.paged_attention import SplitConfig, default_config, paged_decode_reference, run_kernel
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # query heads, kv heads, head_dim
 PAGE_SIZE, MAX_PAGES, POOL_TOKENS = 16, 512, 300_000  # max_model_len 8192

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from workers.default_model import random_model
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.modeling.default_model import random_model
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 WAVES = (1, 2, 3, 5, 8, 13, 21, 32)
 

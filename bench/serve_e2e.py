@@ -46,7 +46,7 @@ STAGE_LOGS = {"proxy": "proxy_*.log", "ingress": "replica_*_Ingress_*.log", "rep
 
 
 def write_model(path: Path) -> None:
-    from workers.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
+    from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
 
     write_checkpoint(path, BENCH_CONFIGS["1b"], build_byte_tokenizer(), seed=0)
 
@@ -68,8 +68,8 @@ def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, f
 
 
 def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: int) -> dict:
-    from workers.engine import EngineConfig, LLMEngine
-    from workers.sampling import SamplingParams
+    from workers.serving.engine import EngineConfig, LLMEngine
+    from workers.serving.sampling import SamplingParams
 
     engine, tokenizer = LLMEngine.from_config(EngineConfig(model=model_dir, max_model_len=max_model_len))
     prompt = tokenizer(PROMPT)["input_ids"]

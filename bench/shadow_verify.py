@@ -24,8 +24,8 @@ import torch
 
 from bench.decode_tpot import long_context_tpot, percentile, seeded_decode_batch
 from policies.graph_policy import GraphPolicy
-from workers.default_model import random_model
-from workers.engine import EngineConfig, LLMEngine
+from workers.modeling.default_model import random_model
+from workers.serving.engine import EngineConfig, LLMEngine
 
 CONTEXT = 256
 

@@ -3,7 +3,7 @@ TP = 2, eager and full CUDA graphs, each rank's captured buckets, and rank 0's c
 
 Each rank is a process of its own with its own GPU, NCCL between them: rank 0 runs the engine and
 hands each model call to the other ranks over the step channel, which replay the same bucket (the
-serving path of `workers/shard.py`, without Ray around it). Random bf16 weights of a real shape.
+serving path of `workers/tensor_parallel/shard.py`, without Ray around it). Random bf16 weights of a real shape.
 Control cost is the host time rank 0 spends in `StepChannel.send` per step (the header and inputs
 broadcast before each replay); TP = 1 runs without a channel, as a TP = 1 replica does.
 
@@ -26,10 +26,10 @@ import torch.multiprocessing as mp
 
 from bench.decode_tpot import PROMPT_LEN, engine_tpot, percentile
 from policies.graph_policy import GraphPolicy
-from workers.default_model import random_model
-from workers.engine import EngineConfig, LLMEngine
-from workers.shard import prepare_follower
-from workers.tp import StepChannel, follow, init_tp_group
+from workers.modeling.default_model import random_model
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.tensor_parallel.shard import prepare_follower
+from workers.tensor_parallel.tp import StepChannel, follow, init_tp_group
 
 WARMUP_STEPS = 20
 

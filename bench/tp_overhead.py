@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from bench.decode_tpot import PROMPT_LEN, engine_tpot, percentile
-from workers.default_model import random_model
-from workers.engine import EngineConfig, LLMEngine
-from workers.tp import StepChannel, init_tp_group
+from workers.modeling.default_model import random_model
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.tensor_parallel.tp import StepChannel, init_tp_group
 
 
 def main() -> None:

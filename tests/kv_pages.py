@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.kv_cache import KVCache
+from workers.kv.kv_cache import KVCache
 
 
 def page_edits(cache: KVCache, seed: int = 0) -> list[int]:

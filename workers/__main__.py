@@ -7,10 +7,10 @@ import asyncio
 import json
 import sys
 
-from workers.async_engine import AsyncEngine
-from workers.config import CheckpointError
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import InvalidRequest, SamplingParams
+from workers.modeling.config import CheckpointError
+from workers.serving.async_engine import AsyncEngine
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import InvalidRequest, SamplingParams
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -14,10 +14,10 @@ import torch
 from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy
 from tests.gpu.test_graph_runner import requests, run
-from workers import model_gate
-from workers.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.engine import EngineConfig, LLMEngine
-from workers.model_gate import GateFailed, swap_weights_in_place
+from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.serving import model_gate
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.model_gate import GateFailed, swap_weights_in_place
 
 pytestmark = pytest.mark.gpu
 BUCKETS = (1, 2, 4, 8)

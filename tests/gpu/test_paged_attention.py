@@ -7,7 +7,7 @@ large garbage, so reading any of it moves the output far past the tolerance."""
 import pytest
 import torch
 
-from workers.paged_attention import SplitConfig, available, paged_decode, paged_decode_reference, run_kernel
+from workers.kv.paged_attention import SplitConfig, available, paged_decode, paged_decode_reference, run_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="needs triton and CUDA")]
 

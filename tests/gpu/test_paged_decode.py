@@ -23,9 +23,9 @@ from tests.gpu.test_graph_runner import (
     run,
     step,
 )
-from workers.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

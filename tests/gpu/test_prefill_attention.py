@@ -4,7 +4,7 @@ on the GPU: prompts of odd lengths, GQA, with and without a sliding window."""
 import pytest
 import torch
 
-from workers.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
+from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@ GPU, rolled back by online shadow verification of a real captured graph.
 
 At 50% by request, seeded sampled requests get the same tokens in the graph cohort (bucket 1
 replayed) as in the holdback (eager). Then the fault file makes bucket 1's replay drift
-(`workers/fault_injection.py`): the engine's next shadow check catches it, the replica's report
+(`workers/graphs/fault_injection.py`): the engine's next shadow check catches it, the replica's report
 brings the mismatch to the controller, and the rollout is rolled back within 1 s of the fault at
 this test's sampling rate (one replay in EVERY checked). From then on every request decodes eager
 as rollout_holdback, with the tokens it had before the fault, and the audit log names the bucket.
@@ -20,7 +20,7 @@ import uuid
 import pytest
 
 from tests.integration.helpers import running_app, settled, wait_for
-from workers.fault_injection import VARIABLE
+from workers.graphs.fault_injection import VARIABLE
 
 pytestmark = pytest.mark.gpu
 ray = pytest.importorskip("ray")

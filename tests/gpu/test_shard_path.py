@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 ray = pytest.importorskip("ray")

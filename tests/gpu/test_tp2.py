@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from policies.graph_policy import GraphPolicy
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,10 +16,10 @@ import torch
 from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
 from tests.unit.graph_faults import FAULTS
-from workers.engine import EngineConfig, LLMEngine
-from workers.graph_runner import GraphRunner
-from workers.kv_cache import SCRATCH_PAGE
-from workers.sampling import SamplingParams
+from workers.graphs.graph_runner import GraphRunner
+from workers.kv.kv_cache import SCRATCH_PAGE
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

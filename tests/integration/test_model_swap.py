@@ -13,9 +13,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.integration.helpers import json_events, running_app, wait_for
-from workers.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 MODEL = "swap-llama"

@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from tests.integration.helpers import API_KEYS, running_app
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 MAX_MODEL_LEN = 128

@@ -9,9 +9,9 @@ import ray
 
 from app.shards import ShardGroup
 from tests.unit.conftest import make_hf_checkpoint
-from workers.default_model import build_byte_tokenizer
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.modeling.default_model import build_byte_tokenizer
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 STEPS = 32
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 1, 2, 3], [256, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 100, 200]]

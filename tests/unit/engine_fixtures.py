@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from workers.default_model import default_model_dir
-from workers.engine import EngineConfig, LLMEngine
-from workers.model import LlamaModel
-from workers.sampling import SamplingParams
+from workers.modeling.default_model import default_model_dir
+from workers.modeling.model import LlamaModel
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 TINY_MAX_MODEL_LEN = 64
 

@@ -16,9 +16,9 @@ import torch
 
 from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy
-from workers.graph_runner import GraphRunner
-from workers.kv_cache import KVCache
-from workers.model import LlamaModel
+from workers.graphs.graph_runner import GraphRunner
+from workers.kv.kv_cache import KVCache
+from workers.modeling.model import LlamaModel
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCache], torch.Tensor]
 

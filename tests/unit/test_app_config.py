@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from app import auth
 from app.config import AppConfig, admin_tokens_from_env, parse_admin_tokens, parse_api_keys
 from app.replica import fit_max_tokens
-from workers.sampling import InvalidRequest
+from workers.serving.sampling import InvalidRequest
 
 
 def test_the_shipped_serve_config_is_a_valid_app_config():

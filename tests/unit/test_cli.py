@@ -13,8 +13,8 @@ import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from workers.__main__ import main
-from workers.engine import EngineConfig, LLMEngine
-from workers.sampling import SamplingParams
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from workers.checkpoint import load_model, load_tokenizer
-from workers.default_model import TINY_NAME, default_model_dir
+from workers.modeling.checkpoint import load_model, load_tokenizer
+from workers.modeling.default_model import TINY_NAME, default_model_dir
 
 TEXTS = [
     "Hello, world!",

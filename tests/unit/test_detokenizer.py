@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-import workers.detokenizer
+import workers.serving.detokenizer
 from app.openai_protocol import STOP_MAX_CHARS
 from tests.unit.engine_fixtures import load_tiny
-from workers.detokenizer import IncrementalDetokenizer, StopMatcher
+from workers.serving.detokenizer import IncrementalDetokenizer, StopMatcher
 
 MIXED = "Hi é€中😀 ok, ünïcödé ∑ 𝄞 end"
 
@@ -295,9 +295,9 @@ def test_stop_matcher_state_is_longest_prefix_ending_the_text(seed):
 
 
 def lines_run_in_detokenizer(fn: Callable[[], object]) -> int:
-    """How many Python lines of workers/detokenizer.py run during fn(): the detokenizer's own work,
+    """How many Python lines of workers/serving/detokenizer.py run during fn(): the detokenizer's own work,
     counted instead of timed (the tokenizer's decode is not counted)."""
-    target = workers.detokenizer.__file__
+    target = workers.serving.detokenizer.__file__
     count = 0
 
     def tracer(frame, event, arg):

@@ -18,8 +18,8 @@ from policies.dispatch import (
 from policies.graph_policy import GraphPolicy
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from tests.unit.graph_faults import EagerGraphRunner, slots_rolled
-from workers.attention import SdpaDecode, SdpaVarlenDecode
-from workers.graph_runner import GraphRunner, initial_table
+from workers.graphs.graph_runner import GraphRunner, initial_table
+from workers.kv.attention import SdpaDecode, SdpaVarlenDecode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 UNEVEN_BUCKETS = (1, 3, 12)

@@ -15,10 +15,10 @@ import pytest
 
 from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, run_sync
-from workers.async_engine import AsyncEngine, EngineDeadError
-from workers.engine import LLMEngine
-from workers.sampling import InvalidRequest, SamplingParams
-from workers.scheduler import QueueFull
+from workers.serving.async_engine import AsyncEngine, EngineDeadError
+from workers.serving.engine import LLMEngine
+from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.scheduler import QueueFull
 
 pytestmark = pytest.mark.timeout(60)
 BOS = 256

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, run_alone
-from workers.async_engine import EngineDeadError
-from workers.config import CheckpointError
-from workers.engine import EngineConfig
-from workers.engine_process import EngineProcess
-from workers.sampling import SamplingParams
+from workers.modeling.config import CheckpointError
+from workers.serving.async_engine import EngineDeadError
+from workers.serving.engine import EngineConfig
+from workers.serving.engine_process import EngineProcess
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 BOS = 256
@@ -160,8 +160,8 @@ def test_bad_checkpoint_raises_the_childs_error(tmp_path, tiny):
 def test_child_exits_when_its_parent_dies(tiny, tmp_path):
     """A parent killed without any cleanup (SIGKILL) leaves no engine behind holding the device."""
     script = textwrap.dedent(f"""
-        from workers.engine import EngineConfig
-        from workers.engine_process import EngineProcess
+        from workers.serving.engine import EngineConfig
+        from workers.serving.engine_process import EngineProcess
         engine = EngineProcess(EngineConfig(model={str(tiny.model_dir)!r}, max_model_len=64, device="cpu"), None)
         print(engine.process.pid, flush=True)
         import time; time.sleep(600)

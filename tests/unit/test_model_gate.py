@@ -12,10 +12,10 @@ import math
 import pytest
 from safetensors.torch import load_file, save_file
 
-from workers.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.engine import EngineConfig, LLMEngine
-from workers.model_gate import GateFailed, run_gate, same_shapes, swap_weights_in_place
-from workers.sampling import SamplingParams
+from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.model_gate import GateFailed, run_gate, same_shapes, swap_weights_in_place
+from workers.serving.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 3, 9, 200, 17]]
 
@@ -99,7 +99,7 @@ def test_the_operators_prompts_must_decode_to_their_completions(checkpoints, tmp
 def test_a_parameter_moved_while_loading_fails_and_is_put_back(checkpoints, monkeypatch):
     """Graphs read fixed addresses: a load that replaces a parameter's storage instead of writing
     into it would leave them reading the old weights. The swap refuses it and points it back."""
-    from workers import model_gate
+    from workers.serving import model_gate
 
     engine, _ = engine_on(checkpoints["old"])
     before = greedy(engine)

@@ -1,6 +1,6 @@
 """Our model against transformers' own implementation on the same checkpoint (fp32, CPU).
 
-Each test writes a checkpoint with transformers, loads it with `workers.checkpoint.load_model`, and
+Each test writes a checkpoint with transformers, loads it with `workers.modeling.checkpoint.load_model`, and
 compares logits of prefill and of greedy decode steps. Any mismatch in weight loading, fused
 projections, RoPE (and its scalings), GQA, biases, tied embeddings or the sliding window shows up as
 a relative error far above the 1e-4 tolerance.
@@ -15,7 +15,7 @@ import torch
 
 from tests.kv_pages import assign_pages, poison, slot_kv
 from tests.unit.conftest import make_hf_checkpoint
-from workers.checkpoint import load_model
+from workers.modeling.checkpoint import load_model
 
 VOCAB = 300
 MAX_LEN = 128

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from policies.kv_blocks import BlockManager
-from workers.sampling import InvalidRequest, SamplingParams
-from workers.scheduler import QueueFull, RequestLimits, Scheduler, Sequence
+from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.scheduler import QueueFull, RequestLimits, Scheduler, Sequence
 
 
 def make_scheduler(max_num_seqs=3, max_model_len=64, max_waiting=8, max_prefill_tokens=1000) -> Scheduler:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.stats import EngineStats
+from workers.serving.stats import EngineStats
 
 
 def fed(*parts: tuple[str, str, str, int, int]) -> EngineStats:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
-from workers.async_engine import AsyncEngine, RequestFailed
-from workers.sampling import SamplingParams
+from workers.serving.async_engine import AsyncEngine, RequestFailed
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 BOS = 256

@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 
 from app.replica import tokenize
 from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
-from workers.default_model import CHAT_TEMPLATE, build_byte_tokenizer
-from workers.sampling import InvalidRequest
+from workers.modeling.default_model import CHAT_TEMPLATE, build_byte_tokenizer
+from workers.serving.sampling import InvalidRequest
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.tp import CAPACITY, DECODE, NOOP, PREFILL, STOP, StepChannel, init_tp_group
+from workers.tensor_parallel.tp import CAPACITY, DECODE, NOOP, PREFILL, STOP, StepChannel, init_tp_group
 
 MESSAGES = [
     (DECODE, 3, [5, 17, 42, 7, 8, 9, 0, 1, 2]),

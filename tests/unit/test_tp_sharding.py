@@ -15,11 +15,11 @@ import torch.multiprocessing as mp
 from policies.graph_policy import GraphPolicy
 from tests.kv_pages import page_edits
 from tests.unit.conftest import make_hf_checkpoint
-from workers.checkpoint import load_model
-from workers.graph_runner import GraphRunner
-from workers.parallel import TPGroup
-from workers.step_inputs import DecodeInputs, PrefillInputs
-from workers.tp import DECODE, PREFILL, STOP, StepChannel, follow, init_tp_group
+from workers.graphs.graph_runner import GraphRunner
+from workers.modeling.checkpoint import load_model
+from workers.serving.step_inputs import DecodeInputs, PrefillInputs
+from workers.tensor_parallel.parallel import TPGroup
+from workers.tensor_parallel.tp import DECODE, PREFILL, STOP, StepChannel, follow, init_tp_group
 
 STEPS = 32
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 100, 50, 25, 12, 6, 3, 1, 0, 1, 2]]

@@ -21,14 +21,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import workers.engine
-import workers.shard
+import workers.serving.engine
+import workers.tensor_parallel.shard
 from policies.graph_policy import GraphPolicy
 from tests.unit.graph_faults import EagerGraphRunner, nan_at_argmax
-from workers.default_model import default_model_dir
-from workers.engine import EngineConfig, LLMEngine, load_for_engine
-from workers.sampling import SamplingParams
-from workers.tp import StepChannel, follow, init_tp_group
+from workers.modeling.default_model import default_model_dir
+from workers.serving.engine import EngineConfig, LLMEngine, load_for_engine
+from workers.serving.sampling import SamplingParams
+from workers.tensor_parallel.tp import StepChannel, follow, init_tp_group
 
 pytestmark = pytest.mark.timeout(90)
 BUCKETS = (1, 2, 4, 8)
@@ -71,10 +71,10 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     else:
         faults, fail = {}, frozenset()
     stand_in = functools.partial(EagerGraphRunner, faults=faults, fail=fail)
-    workers.engine.GraphRunner = workers.shard.GraphRunner = stand_in  # this process only
+    workers.serving.engine.GraphRunner = workers.tensor_parallel.shard.GraphRunner = stand_in  # this process only
     channel = StepChannel(tp, cpu)
     if rank == 1:
-        runner = workers.shard.prepare_follower(model, config)
+        runner = workers.tensor_parallel.shard.prepare_follower(model, config)
         follow(channel, runner)
         return {"report": runner.report(), "replayed": dict(runner.replayed)}
     engine = LLMEngine(model, config, eos, revision, channel=channel)

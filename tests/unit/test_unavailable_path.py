@@ -12,11 +12,11 @@ import torch
 from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_sync
-from workers.attention import SdpaDecode, SdpaVarlenDecode
-from workers.engine import EngineConfig, LLMEngine
-from workers.graph_runner import GraphRunner
-from workers.sampling import SamplingParams
-from workers.step_inputs import DecodeInputs
+from workers.graphs.graph_runner import GraphRunner
+from workers.kv.attention import SdpaDecode, SdpaVarlenDecode
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
+from workers.serving.step_inputs import DecodeInputs
 
 pytestmark = pytest.mark.timeout(60)
 BOS = 256

@@ -20,7 +20,7 @@ from policies.graph_policy import GraphPolicy
 from tests.kv_pages import assign_pages
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from tests.unit.graph_faults import FAULTS, EagerGraphRunner, Step
-from workers.graph_runner import PROBE_PAGES, GraphRunner
+from workers.graphs.graph_runner import PROBE_PAGES, GraphRunner
 
 pytestmark = pytest.mark.timeout(60)
 BUCKETS = (1, 2, 4, 8)

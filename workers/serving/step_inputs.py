@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from workers.scheduler import Sequence
+from workers.serving.scheduler import Sequence
 
 
 class DecodeInputs(NamedTuple):

@@ -29,11 +29,11 @@ import torch
 
 from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason
 from policies.graph_policy import GraphPolicy
-from workers.attention import GraphSupport
-from workers.kv_cache import KVCache, pages_needed
-from workers.model import LlamaModel
-from workers.shadow_verify import ShadowVerifier
-from workers.step_inputs import DecodeInputs, PrefillInputs
+from workers.graphs.shadow_verify import ShadowVerifier
+from workers.kv.attention import GraphSupport
+from workers.kv.kv_cache import KVCache, pages_needed
+from workers.modeling.model import LlamaModel
+from workers.serving.step_inputs import DecodeInputs, PrefillInputs
 
 log = logging.getLogger(__name__)
 MB = 1 << 20

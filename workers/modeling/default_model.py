@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from workers.config import ModelConfig, parse_config
-from workers.model import LlamaModel
-from workers.parallel import TPGroup
+from workers.modeling.config import ModelConfig, parse_config
+from workers.modeling.model import LlamaModel
+from workers.tensor_parallel.parallel import TPGroup
 
 TINY_NAME = "tiny-llama-v1"
 TINY_SEED = 1234

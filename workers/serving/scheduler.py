@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
 from policies.kv_blocks import BlockManager
-from workers.sampling import InvalidRequest, SamplingParams
+from workers.serving.sampling import InvalidRequest, SamplingParams
 
 
 class QueueFull(RuntimeError):

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from policies.dispatch import FallbackReason
-from workers.checkpoint import load_tokenizer, load_weights, model_revision
-from workers.config import load_config
-from workers.engine import EngineConfig, LLMEngine, eos_ids
-from workers.sampling import SamplingParams
-from workers.stats import EngineStats
-from workers.step_inputs import PrefillInputs
-from workers.tp import PREFILL
+from workers.modeling.checkpoint import load_tokenizer, load_weights, model_revision
+from workers.modeling.config import load_config
+from workers.serving.engine import EngineConfig, LLMEngine, eos_ids
+from workers.serving.sampling import SamplingParams
+from workers.serving.stats import EngineStats
+from workers.serving.step_inputs import PrefillInputs
+from workers.tensor_parallel.tp import PREFILL
 
 GOLDEN_PROMPTS = 4  # rows of one decode batch: a captured bucket of the smallest ladders
 GOLDEN_PROMPT_LEN = 12

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from workers.config import CheckpointError, load_config
-from workers.model import LlamaModel
-from workers.parallel import TPGroup
+from workers.modeling.config import CheckpointError, load_config
+from workers.modeling.model import LlamaModel
+from workers.tensor_parallel.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
-from workers.detokenizer import IncrementalDetokenizer
-from workers.engine import EngineStatus, LLMEngine, TokenEvent
-from workers.sampling import InvalidRequest, SamplingParams
-from workers.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
+from workers.serving.detokenizer import IncrementalDetokenizer
+from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
+from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from workers.parallel import TPGroup
-from workers.step_inputs import DecodeInputs, PrefillInputs
+from workers.serving.step_inputs import DecodeInputs, PrefillInputs
+from workers.tensor_parallel.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 

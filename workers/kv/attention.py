@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from workers import paged_attention
-from workers.kv_cache import KVCache, pages_needed
+from workers.kv import paged_attention
+from workers.kv.kv_cache import KVCache, pages_needed
 
 GraphSupport = Literal["full", "piecewise", "none"]
 

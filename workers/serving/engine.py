@@ -15,20 +15,20 @@ import torch
 from policies.dispatch import EngineState, FallbackReason, split_by_permission
 from policies.graph_policy import GraphPolicy
 from policies.kv_blocks import BlockManager
-from workers.attention import make_backend
-from workers.checkpoint import load_model, load_tokenizer, model_revision
-from workers.config import DTYPES, ModelConfig, load_config
-from workers.default_model import default_model_dir
-from workers.graph_runner import GraphRunner
-from workers.kv_cache import KVCache
-from workers.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
-from workers.model import LlamaModel
-from workers.parallel import TPGroup
-from workers.sampling import SamplingParams, sample
-from workers.scheduler import Scheduler, Sequence, new_sequence
-from workers.stats import CallTimer, EngineStats
-from workers.step_inputs import DecodeInputs, PrefillInputs
-from workers.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
+from workers.graphs.graph_runner import GraphRunner
+from workers.kv.attention import make_backend
+from workers.kv.kv_cache import KVCache
+from workers.kv.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
+from workers.modeling.checkpoint import load_model, load_tokenizer, model_revision
+from workers.modeling.config import DTYPES, ModelConfig, load_config
+from workers.modeling.default_model import default_model_dir
+from workers.modeling.model import LlamaModel
+from workers.serving.sampling import SamplingParams, sample
+from workers.serving.scheduler import Scheduler, Sequence, new_sequence
+from workers.serving.stats import CallTimer, EngineStats
+from workers.serving.step_inputs import DecodeInputs, PrefillInputs
+from workers.tensor_parallel.parallel import TPGroup
+from workers.tensor_parallel.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
 
 MB = 1 << 20
 

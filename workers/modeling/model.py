@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import make_backend
-from workers.config import ModelConfig
-from workers.kv_cache import KVCache, pages_needed
-from workers.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
-from workers.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
+from workers.kv.attention import make_backend
+from workers.kv.kv_cache import KVCache, pages_needed
+from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
+from workers.modeling.config import ModelConfig
+from workers.tensor_parallel.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.kv_cache import KVCache, pages_needed
-from workers.model import LlamaModel
-from workers.sampling import SamplingParams, sample
+from workers.kv.kv_cache import KVCache, pages_needed
+from workers.modeling.model import LlamaModel
+from workers.serving.sampling import SamplingParams, sample
 
 MB = 1 << 20
 

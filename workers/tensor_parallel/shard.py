@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 import torch
 
 from policies.dispatch import FallbackReason
-from workers.async_engine import AsyncEngine, StreamEvent
-from workers.engine import EngineConfig, EngineStatus, LLMEngine, load_for_engine, prepare_model, resolve_device
-from workers.graph_runner import GraphRunner
-from workers.model import LlamaModel
-from workers.sampling import SamplingParams
-from workers.tp import StepChannel, follow, init_tp_group
+from workers.graphs.graph_runner import GraphRunner
+from workers.modeling.model import LlamaModel
+from workers.serving.async_engine import AsyncEngine, StreamEvent
+from workers.serving.engine import EngineConfig, EngineStatus, LLMEngine, load_for_engine, prepare_model, resolve_device
+from workers.serving.sampling import SamplingParams
+from workers.tensor_parallel.tp import StepChannel, follow, init_tp_group
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""CUDA graphs: capture, replay, verification and online shadow verification of decode steps."""

@@ -1,0 +1,1 @@
+"""The model and its checkpoints: the Llama module, checkpoint loading, configs, built-in models."""
