@@ -105,6 +105,13 @@ def signals_from_statuses(statuses: dict[str, dict]) -> Signals:
     )  # fmt: skip
 
 
+def _invalid(e: ValidationError) -> dict:
+    """A 400 answer naming the first invalid field."""
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return {"error": f"{where}: {err['msg']}" if where else err["msg"], "status": 400}
+
+
 def _shadow_mismatches(status: dict) -> int:
     return (status.get("stats") or {}).get("shadow", {}).get("mismatches", 0)
 
@@ -267,9 +274,7 @@ class GraphController:
         try:
             parsed = RolloutPlan.model_validate(plan)
         except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            return {"error": f"{where}: {err['msg']}" if where else err["msg"], "status": 400}
+            return _invalid(e)
         if self.rollout is not None and not self.rollout.finished:
             return {"error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; abort it first", "status": 409}
         if self.swap is not None and self.swap.phase == SwapPhase.PROGRESSING:
@@ -330,9 +335,7 @@ class GraphController:
             try:
                 request = SwapRequest.model_validate(body)
             except ValidationError as e:
-                err = e.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                return {"error": f"{where}: {err['msg']}" if where else err["msg"], "status": 400}
+                return _invalid(e)
             target = {"model": request.model, "revision": request.revision}
         else:
             target = {"graph_policy": body}
