@@ -1,0 +1,134 @@
+"""LoRA adapters made by the real `peft` library on tiny Llama- and Qwen2-shaped models: what we
+read equals PEFT's weights, the slots add what PEFT's layers add (fused parts included, rsLoRA
+scaling, smaller ranks zero-padded), a batch mixing adapters and rows without one equals each row
+alone, and what we cannot serve is refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from tests.unit.conftest import make_hf_checkpoint
+from workers.modeling.config import load_config
+from workers.modeling.lora import AdapterError, LoraSlots, load_adapter
+
+MAX_RANK = 8
+
+
+def make_adapter(model, path, seed: int, **options):
+    """A PEFT adapter with random non-zero A and B (init_lora_weights=False), saved to path."""
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **options))
+    peft_model.save_pretrained(path)
+    return peft_model.eval()
+
+
+def peft_layer(peft_model, layer: int, target: str):
+    block = peft_model.base_model.model.model.layers[layer]
+    return getattr(block.self_attn if target in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, target)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def base(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"lora-{request.param}") / "base"
+    make_hf_checkpoint(path, request.param)
+    return path
+
+
+ADAPTERS = {
+    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp-rs": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
+    "all": dict(r=2, lora_alpha=16, target_modules="all-linear"),
+}
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_the_slots_add_what_peft_adds(base, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = make_adapter(model, tmp_path / name, seed=3, **ADAPTERS[name])
+    cfg = load_config(base)
+    adapter = load_adapter(tmp_path / name, name, cfg, MAX_RANK)
+    slots = LoraSlots(cfg, max_loras=2, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
+    slots.load(2, adapter)
+    g = torch.Generator().manual_seed(5)
+    for (layer, target), (a, b) in adapter.weights.items():
+        module = peft_layer(peft_model, layer, target)
+        assert torch.equal(a, module.lora_A["default"].weight) and torch.equal(b, module.lora_B["default"].weight)
+        x = torch.randn(3, a.shape[1], generator=g)
+        with torch.no_grad():
+            want = module(x) - module.base_layer(x)
+        got = slots.delta(layer, target, x, torch.tensor([2, 2, 0]))
+        assert torch.allclose(got[:2], want[:2], rtol=1e-4, atol=1e-5) and not got[2].any()
+        assert want.abs().max() > 1e-3  # the adapter matters
+    assert len(adapter.weights) == cfg.num_layers * (7 if name == "all" else len(ADAPTERS[name]["target_modules"]))
+
+
+def test_a_mixed_batch_equals_each_row_alone(base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(base)
+    slots = LoraSlots(cfg, max_loras=3, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
+    for slot, name in enumerate(ADAPTERS, 1):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        make_adapter(model, tmp_path / name, seed=slot, **ADAPTERS[name])
+        slots.load(slot, load_adapter(tmp_path / name, name, cfg, MAX_RANK))
+    rows = torch.tensor([0, 3, 1, 2, 0, 1, 3])
+    g = torch.Generator().manual_seed(7)
+    for target, size in (("q_proj", cfg.hidden_size), ("down_proj", cfg.intermediate_size)):
+        x = torch.randn(len(rows), size, generator=g)
+        batched = slots.delta(1, target, x, rows)
+        alone = torch.cat([slots.delta(1, target, x[i : i + 1], rows[i : i + 1]) for i in range(len(rows))])
+        assert torch.allclose(batched, alone, rtol=1e-5, atol=1e-6)
+        assert not batched[rows == 0].any() and batched[rows == 3].abs().max() > 0
+
+
+def test_loading_a_slot_again_replaces_the_adapter_in_place(base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(base)
+    slots = LoraSlots(cfg, max_loras=1, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
+    addresses = {k: t.data_ptr() for k, t in slots.a.items()}
+    for name in ("all", "attn"):
+        make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name, seed=9,
+                     **ADAPTERS[name])  # fmt: skip
+        slots.load(1, load_adapter(tmp_path / name, name, cfg, MAX_RANK))
+    assert {k: t.data_ptr() for k, t in slots.a.items()} == addresses
+    assert not slots.a[(0, "down_proj")][1].any()  # "attn" does not target it: what "all" left is gone
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"use_dora": True}, "use_dora"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"bias": "all"}, "bias"),
+    ({"r": 16}, "r"), ({"target_modules": ["embed_tokens"]}, "target_modules"), ({"peft_type": "IA3"}, "peft_type"),
+    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"), ({"lora_alpha": "x"}, "lora_alpha"),
+])  # fmt: skip
+def test_what_cannot_be_served_is_refused_naming_the_field(base, tmp_path, change, field):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "adapter"
+    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(AdapterError, match=field):
+        load_adapter(path, "bad", load_config(base), MAX_RANK)
+
+
+def test_added_tokens_and_missing_halves_are_refused(base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "adapter"
+    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    weights = load_file(path / "adapter_model.safetensors")
+    extra = {**weights, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)}
+    save_file(extra, path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="embed_tokens"):
+        load_adapter(path, "bad", load_config(base), MAX_RANK)
+    half = {k: v for k, v in weights.items() if not k.endswith("layers.0.self_attn.q_proj.lora_B.weight")}
+    save_file(half, path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="layer 0 q_proj"):
+        load_adapter(path, "bad", load_config(base), MAX_RANK)
