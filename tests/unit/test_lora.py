@@ -132,3 +132,74 @@ def test_added_tokens_and_missing_halves_are_refused(base, tmp_path):
     save_file(half, path / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match="layer 0 q_proj"):
         load_adapter(path, "bad", load_config(base), MAX_RANK)
+
+
+DECODE_STEPS = 32
+
+
+@pytest.mark.parametrize("name", ["attn", "all", "mlp-rs"])
+@torch.no_grad()
+def test_our_model_with_an_adapter_decodes_what_peft_decodes(base, tmp_path, name):
+    """Prefill logits and 32 greedy decode steps of our model with the adapter in a slot equal the
+    PEFT model's (relative error <= 1e-4, the same tokens); the adapter changes the tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.kv_pages import assign_pages
+    from tests.unit.test_model_reference import hf_forward, prefill_one, rel_err
+    from workers.modeling.checkpoint import load_model
+
+    peft_model = make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name,
+                              seed=11, **ADAPTERS[name])  # fmt: skip
+    ours = load_model(base, max_model_len=128)
+    ours.enable_lora(max_loras=2, max_rank=MAX_RANK).load(2, load_adapter(tmp_path / name, name, ours.cfg, MAX_RANK))
+    cache = ours.make_kv_cache(1)
+    assign_pages(cache)
+    prompt = torch.randint(0, ours.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+    ours.lora_rows = torch.full((prompt.numel(),), 2)
+    ref, past = hf_forward(peft_model.base_model.model, prompt)
+    got = prefill_one(ours, prompt, cache)
+    assert rel_err(got, ref) <= 1e-4
+    tokens = []
+    for step in range(DECODE_STEPS):
+        assert got.argmax() == ref.argmax(), f"greedy token differs at step {step}"
+        tok = ref.argmax()
+        tokens.append(tok.item())
+        ours.lora_rows = torch.tensor([2])
+        ref, past = hf_forward(peft_model.base_model.model, tok.view(1), past)
+        got = ours.decode(tok.view(1), torch.tensor([prompt.numel() + step]), torch.tensor([0]), cache)[0]
+        assert rel_err(got, ref) <= 1e-4, f"decode logits differ at step {step}"
+    with peft_model.disable_adapter():
+        base_ref, _ = hf_forward(peft_model.base_model.model, prompt)
+    assert not torch.allclose(base_ref, hf_forward(peft_model.base_model.model, prompt)[0], rtol=1e-3)
+    assert len(set(tokens)) > 1
+
+
+@torch.no_grad()
+def test_a_prefill_mixing_three_adapters_and_none_equals_each_prompt_alone(base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.kv_pages import assign_pages
+    from tests.unit.test_model_reference import prefill_one
+    from workers.modeling.checkpoint import load_model
+
+    ours = load_model(base, max_model_len=128)
+    slots = ours.enable_lora(max_loras=3, max_rank=MAX_RANK)
+    for slot, name in enumerate(ADAPTERS, 1):
+        make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name, seed=slot,
+                     **ADAPTERS[name])  # fmt: skip
+        slots.load(slot, load_adapter(tmp_path / name, name, ours.cfg, MAX_RANK))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, ours.cfg.vocab_size, (n,), generator=g) for n in (7, 3, 11, 5)]
+    adapters = [2, 0, 3, 1]
+    lens = [p.numel() for p in prompts]
+    cache = ours.make_kv_cache(4)
+    assign_pages(cache)
+    ours.lora_rows = torch.cat([torch.full((n,), a) for n, a in zip(lens, adapters, strict=True)])
+    slot_ids = torch.cat([torch.full((n,), s) for s, n in enumerate(lens)])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    batched = ours.prefill(torch.cat(prompts), positions, slot_ids, lens, cache)
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
+        alone = ours.make_kv_cache(1)
+        assign_pages(alone, seed=i + 1)
+        ours.lora_rows = torch.full((prompt.numel(),), adapter)
+        assert torch.allclose(batched[i], prefill_one(ours, prompt, alone), rtol=1e-5, atol=1e-5), i

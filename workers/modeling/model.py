@@ -9,6 +9,7 @@ allocation that depends on values), which is the step the graph runner captures.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from workers.kv.attention import make_backend
 from workers.kv.kv_cache import KVCache, pages_needed
 from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 from workers.modeling.config import ModelConfig
+from workers.modeling.lora import LoraSlots
 from workers.tensor_parallel.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
 
 
@@ -37,6 +39,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+Adapt = Callable[[str, torch.Tensor], torch.Tensor]  # (PEFT target, layer input) -> what the adapters add
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,10 +71,13 @@ class Attention(nn.Module):
         self.o = RowParallelLinear(q, cfg.hidden_size, cfg.o_bias, tp, cfg.dtype, device)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adapt: Adapt | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv(x)
+        if adapt is not None:  # each part's adapter on its own slice of the fused output
+            qkv = qkv + torch.cat([adapt(t, x) for t in ("q_proj", "k_proj", "v_proj")], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
@@ -82,9 +90,14 @@ class MLP(nn.Module):
         self.gate_up = ColumnParallelLinear(cfg.hidden_size, [i, i], False, tp, cfg.dtype, device)
         self.down = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, cfg.dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, adapt: Adapt | None = None) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        if adapt is not None:
+            gate_up = gate_up + torch.cat([adapt("gate_proj", x), adapt("up_proj", x)], dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        out = self.down(act)
+        return out if adapt is None else out + adapt("down_proj", act)
 
 
 class Block(nn.Module):
@@ -127,6 +140,22 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", angles.cos().to(cfg.dtype).to(device), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(cfg.dtype).to(device), persistent=False)
         self.attention_backend = make_backend(attention_backend, self.embed.weight.device)
+        self.lora: LoraSlots | None = None  # None: no LoRA, and no cost
+        self.lora_rows: torch.Tensor | None = None  # the adapter slot of each row of the next call
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """Allocate adapter slots once (they keep their addresses); rows then name a slot in
+        `lora_rows` (0: no adapter)."""
+        if self.tp.world_size > 1:
+            raise NotImplementedError("LoRA with tensor parallelism is not supported yet")
+        self.lora = LoraSlots(self.cfg, max_loras, max_rank, self.cfg.dtype, self.embed.weight.device)
+        return self.lora
+
+    def _adapt(self, i: int) -> Adapt | None:
+        lora, rows = self.lora, self.lora_rows
+        if lora is None:
+            return None
+        return lambda target, x: lora.delta(i, target, x, rows)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -182,15 +211,19 @@ class LlamaModel(nn.Module):
         """Layer i up to attention: norm, QKV, rope; stores this step's K/V (at the cache's
         `write_index` of each token); returns q, k, v."""
         block = self.layers[i]
-        q, k, v = block.attn.project(rms_norm(h, block.input_norm.weight, self.cfg.rms_norm_eps), cos, sin)
+        x = rms_norm(h, block.input_norm.weight, self.cfg.rms_norm_eps)
+        q, k, v = block.attn.project(x, cos, sin, self._adapt(i))
         cache.write(i, write_index, k, v)
         return q, k, v
 
     def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer i after attention: output projection, residual, MLP, residual."""
-        block = self.layers[i]
-        h = h + block.attn.o(attn)
-        return h + block.mlp(rms_norm(h, block.post_attn_norm.weight, self.cfg.rms_norm_eps))
+        block, adapt = self.layers[i], self._adapt(i)
+        out = block.attn.o(attn)
+        if adapt is not None:
+            out = out + adapt("o_proj", attn)
+        h = h + out
+        return h + block.mlp(rms_norm(h, block.post_attn_norm.weight, self.cfg.rms_norm_eps), adapt)
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, cache: KVCache
