@@ -147,7 +147,7 @@ class LlamaModel(nn.Module):
         """Allocate adapter slots once (they keep their addresses); rows then name a slot in
         `lora_rows` (0: no adapter)."""
         if self.tp.world_size > 1:
-            raise NotImplementedError("LoRA with tensor parallelism is not supported yet")
+            raise ValueError("lora: tensor_parallel_size > 1 is not supported with LoRA adapters yet")
         self.lora = LoraSlots(self.cfg, max_loras, max_rank, self.cfg.dtype, self.embed.weight.device)
         return self.lora
 
