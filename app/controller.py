@@ -266,6 +266,17 @@ class GraphController:
         for name, value in values.items():
             setattr(self, name, value)
 
+    def _commit_or_apply(self, entries: list[dict], what: str, **changes: Any) -> None:
+        """Commit a decision the controller made itself (a rollback, a swap's progress); when the
+        state cannot be written it is applied in memory anyway, since it must not wait for a disk."""
+        try:
+            self._commit(entries, **changes)
+        except StateWriteError as e:
+            log.error("%s; %s goes on in memory", e, what)
+            self.audit, self.version = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1
+            for name, value in changes.items():
+                setattr(self, name, value)
+
     # -- rollout ---------------------------------------------------------------------------------
 
     def start_rollout(self, plan: dict, actor: str) -> dict:
@@ -389,13 +400,7 @@ class GraphController:
             log.warning("swap %s: %s (%s)", swap.id, reason, swap.phase.value)
             if swap.phase == SwapPhase.SUCCEEDED:
                 changes["serving_model"] = {**(self.serving_model or {}), **swap.target}
-        try:
-            self._commit(entries, **changes)
-        except StateWriteError as e:  # the swap goes on in memory: its progress must not wait for a disk
-            log.error("%s; swap %s goes on in memory", e, swap.id)
-            self.audit, self.version = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1
-            for name, value in changes.items():
-                setattr(self, name, value)
+        self._commit_or_apply(entries, f"swap {swap.id}", **changes)
 
     def check_swap(self, now: float | None = None) -> None:
         """One look of the decision loop at a running swap: a replica that overran its time fails it."""
@@ -451,11 +456,7 @@ class GraphController:
             return
         log.warning("rollout %s: %s (%s)", rollout.id, transition.reason, rollout.phase.value)
         entries = self._audit_entries(rollout, self._new_transitions(rollout))
-        try:
-            self._commit(entries, rollout=rollout)
-        except StateWriteError as e:
-            log.error("%s; rollout %s goes on in memory: %s", e, rollout.id, transition.reason)
-            self.audit, self.version, self.rollout = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1, rollout
+        self._commit_or_apply(entries, f"rollout {rollout.id} ({transition.reason})", rollout=rollout)
 
     def ensure_decision_loop(self) -> None:
         """Start the decision loop if it is not running. Called from `get_permissions`, which every

@@ -116,3 +116,23 @@ def test_a_silent_replica_fails_the_swap_in_the_decision_loop(tmp_path):
     assert c.swap.phase == SwapPhase.PROGRESSING
     c.check_swap(now=time.time() + 10)
     assert c.swap.phase == SwapPhase.FAILED and "within 5 s" in c.swap.reason
+
+
+def test_decisions_the_controller_makes_itself_do_not_wait_for_a_disk(tmp_path, monkeypatch):
+    """With the state file unwritable, a swap's progress and a rollback still take effect (in
+    memory, audited, one version more each), while an operator's start is refused."""
+    import app.controller as controller
+
+    c = GraphController(str(tmp_path / "state.json"), {})
+    c.report("r1", {"state": "READY"})
+    c.start_swap("model", {"model": "/ckpt/v2"}, PREVIOUS, "alice")
+
+    def unwritable(path, state):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(controller, "_write_state", unwritable)
+    version = c.version
+    c.report("r1", replica_report("swap-1", "serving"))
+    assert c.swap.phase == SwapPhase.SUCCEEDED and c.serving_model["model"] == "/ckpt/v2"
+    assert c.version == version + 1 and c.audit[-1]["phase"] == "Succeeded"
+    assert c.start_rollout({"steps": [{"percent": 50, "hold_s": 60}, {"percent": 100}]}, "bob")["status"] == 409
