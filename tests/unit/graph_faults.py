@@ -20,15 +20,15 @@ from workers.graphs.graph_runner import GraphRunner
 from workers.kv.kv_cache import KVCache
 from workers.modeling.model import LlamaModel
 
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCache], torch.Tensor]
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None], torch.Tensor]
 
 
 def nan_at_argmax(model: LlamaModel) -> Step:
     """Each row's largest logit becomes NaN: the argmax stays where it was (torch's argmax takes
     NaN as the largest), so only a NaN-safe comparison notices."""
 
-    def step(tokens, positions, slots, cache):
-        logits = model.decode(tokens, positions, slots, cache)
+    def step(tokens, positions, slots, cache, adapters=None):
+        logits = model.decode(tokens, positions, slots, cache, adapters)
         return logits.scatter(-1, logits.argmax(-1, keepdim=True), float("nan"))
 
     return step
@@ -37,8 +37,8 @@ def nan_at_argmax(model: LlamaModel) -> Step:
 def slots_rolled(model: LlamaModel) -> Step:
     """Row i reads and writes row i - 1's slot."""
 
-    def step(tokens, positions, slots, cache):
-        return model.decode(tokens, positions, slots.roll(1), cache)
+    def step(tokens, positions, slots, cache, adapters=None):
+        return model.decode(tokens, positions, slots.roll(1), cache, adapters)
 
     return step
 
@@ -46,8 +46,8 @@ def slots_rolled(model: LlamaModel) -> Step:
 def stale_length(model: LlamaModel) -> Step:
     """Every row decodes one position behind its real one (clamped at 0)."""
 
-    def step(tokens, positions, slots, cache):
-        return model.decode(tokens, positions.clamp(min=1) - 1, slots, cache)
+    def step(tokens, positions, slots, cache, adapters=None):
+        return model.decode(tokens, positions.clamp(min=1) - 1, slots, cache, adapters)
 
     return step
 
@@ -67,11 +67,11 @@ class _ShiftedMask:
 
 
 def _wrong_mask(model: LlamaModel, shift: int) -> Step:
-    def step(tokens, positions, slots, cache):
+    def step(tokens, positions, slots, cache, adapters=None):
         backend = model.attention_backend
         model.attention_backend = _ShiftedMask(backend, shift)
         try:
-            return model.decode(tokens, positions, slots, cache)
+            return model.decode(tokens, positions, slots, cache, adapters)
         finally:
             model.attention_backend = backend
 
@@ -123,11 +123,11 @@ class EagerGraphRunner(GraphRunner):
         if bucket in self.fail:
             raise RuntimeError(f"injected capture failure of bucket {bucket}")
         step = self.faults.get(bucket, self.step_fn)
-        tokens, positions, slots = self._views(bucket)
+        tokens, positions, slots, adapters = self._views(bucket)
 
         def replay() -> torch.Tensor:
             self.replayed[bucket] += 1
-            return step(tokens, positions, slots, self.cache)
+            return step(tokens, positions, slots, self.cache, adapters)
 
         self._replays[bucket] = replay
         return 0

@@ -155,18 +155,17 @@ def test_our_model_with_an_adapter_decodes_what_peft_decodes(base, tmp_path, nam
     cache = ours.make_kv_cache(1)
     assign_pages(cache)
     prompt = torch.randint(0, ours.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
-    ours.lora_rows = torch.full((prompt.numel(),), 2)
     ref, past = hf_forward(peft_model.base_model.model, prompt)
-    got = prefill_one(ours, prompt, cache)
+    got = prefill_one(ours, prompt, cache, adapter=2)
     assert rel_err(got, ref) <= 1e-4
     tokens = []
     for step in range(DECODE_STEPS):
         assert got.argmax() == ref.argmax(), f"greedy token differs at step {step}"
         tok = ref.argmax()
         tokens.append(tok.item())
-        ours.lora_rows = torch.tensor([2])
         ref, past = hf_forward(peft_model.base_model.model, tok.view(1), past)
-        got = ours.decode(tok.view(1), torch.tensor([prompt.numel() + step]), torch.tensor([0]), cache)[0]
+        got = ours.decode(tok.view(1), torch.tensor([prompt.numel() + step]), torch.tensor([0]), cache,
+                          torch.tensor([2]))[0]  # fmt: skip
         assert rel_err(got, ref) <= 1e-4, f"decode logits differ at step {step}"
     with peft_model.disable_adapter():
         base_ref, _ = hf_forward(peft_model.base_model.model, prompt)
@@ -194,12 +193,11 @@ def test_a_prefill_mixing_three_adapters_and_none_equals_each_prompt_alone(base,
     lens = [p.numel() for p in prompts]
     cache = ours.make_kv_cache(4)
     assign_pages(cache)
-    ours.lora_rows = torch.cat([torch.full((n,), a) for n, a in zip(lens, adapters, strict=True)])
+    rows = torch.cat([torch.full((n,), a) for n, a in zip(lens, adapters, strict=True)])
     slot_ids = torch.cat([torch.full((n,), s) for s, n in enumerate(lens)])
     positions = torch.cat([torch.arange(n) for n in lens])
-    batched = ours.prefill(torch.cat(prompts), positions, slot_ids, lens, cache)
+    batched = ours.prefill(torch.cat(prompts), positions, slot_ids, lens, cache, rows)
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         alone = ours.make_kv_cache(1)
         assign_pages(alone, seed=i + 1)
-        ours.lora_rows = torch.full((prompt.numel(),), adapter)
-        assert torch.allclose(batched[i], prefill_one(ours, prompt, alone), rtol=1e-5, atol=1e-5), i
+        assert torch.allclose(batched[i], prefill_one(ours, prompt, alone, adapter=adapter), rtol=1e-5, atol=1e-5), i

@@ -59,11 +59,13 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).norm() / ref.norm()).item()
 
 
-def prefill_one(model, prompt: torch.Tensor, cache, slot: int = 0) -> torch.Tensor:
-    """Prefill a single prompt into `slot`; returns its last-token logits, shape (vocab,)."""
+def prefill_one(model, prompt: torch.Tensor, cache, slot: int = 0, adapter: int | None = None) -> torch.Tensor:
+    """Prefill a single prompt into `slot` (with LoRA slot `adapter`); returns its last-token
+    logits, shape (vocab,)."""
     n = prompt.numel()
     slots = torch.full((n,), slot, dtype=torch.long)
-    return model.prefill(prompt, torch.arange(n), slots, [n], cache)[0]
+    adapters = None if adapter is None else torch.full((n,), adapter)
+    return model.prefill(prompt, torch.arange(n), slots, [n], cache, adapters)[0]
 
 
 @pytest.fixture

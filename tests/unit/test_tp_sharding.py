@@ -37,18 +37,20 @@ def run_greedy(model, send=None):
     cache = model.make_kv_cache(len(PROMPTS))
     prefill = PrefillInputs(
         [t for p in PROMPTS for t in p], [i for p in PROMPTS for i in range(len(p))],
-        [s for s, p in enumerate(PROMPTS) for _ in p], [len(p) for p in PROMPTS], page_edits(cache),
+        [s for s, p in enumerate(PROMPTS) for _ in p], [0] * sum(map(len, PROMPTS)), [len(p) for p in PROMPTS],
+        page_edits(cache),
     )  # fmt: skip
     if send:
         send(PREFILL, prefill.rows, prefill.to_ints())
     cache.set_pages(prefill.pages)
-    logits = [model.prefill(*prefill.to_device(torch.device("cpu")), prefill.lens, cache)]
+    tokens, positions, slots, _ = prefill.to_device(torch.device("cpu"))
+    logits = [model.prefill(tokens, positions, slots, prefill.lens, cache)]
     lengths = list(prefill.lens)
     for _ in range(STEPS):
-        batch = DecodeInputs(logits[-1].argmax(-1).tolist(), list(lengths), list(range(len(PROMPTS))))
+        batch = DecodeInputs(logits[-1].argmax(-1).tolist(), list(lengths), list(range(len(PROMPTS))), [0] * 3)
         if send:
             send(DECODE, batch.rows, batch.to_ints())
-        logits.append(model.decode(*batch.to_device(torch.device("cpu")), cache))
+        logits.append(model.decode(*batch.to_device(torch.device("cpu"))[:3], cache))
         lengths = [n + 1 for n in lengths]
     if send:
         send(STOP)

@@ -200,7 +200,7 @@ def test_sdpa_varlen_matches_sdpa(tiny):
     for p, sp in reqs:
         engine.add_request(p, sp)
     engine.step()  # prefill + one decode: the cache holds each row's keys
-    tokens, positions, slots = DecodeInputs.of(list(engine.scheduler.running.values())).to_device(engine.device)
+    tokens, positions, slots, _ = DecodeInputs.of(list(engine.scheduler.running.values())).to_device(engine.device)
     model = tiny.model
     with torch.inference_mode():
         model.attention_backend = SdpaDecode()

@@ -65,7 +65,7 @@ def test_non_finite_replay_fails_and_the_report_stays_json_safe(tiny, bad):
     with allow_nan=False, so the diff is null and the error says non-finite."""
     model = tiny.model
 
-    def poisoned(tokens, positions, slots, cache):
+    def poisoned(tokens, positions, slots, cache, adapters=None):
         logits = model.decode(tokens, positions, slots, cache)
         return logits.scatter(-1, logits.argmax(-1, keepdim=True), bad)
 
@@ -86,11 +86,11 @@ def test_probe_rows_differ_in_slot_position_and_length(tiny):
     cache = runner.cache
     scratch, max_len, page = cache.scratch_slot, cache.max_model_len, cache.page_size
 
-    tokens, positions, slots, pages = runner.probe(3, seed=1)
+    tokens, positions, slots, _, pages = runner.probe(3, seed=1)
     assert sorted(slots) == [0, 1, 2] and sorted(positions) == [1, 2, 3]
     assert len(tokens) == 3
 
-    _, positions, slots, pages = runner.probe(8, seed=2)
+    _, positions, slots, _, pages = runner.probe(8, seed=2)
     assert set(slots) == {0, 1, 2} and sorted(positions) == list(range(1, 9))
     assert len(set(zip(slots, positions))) == 8
     triples = list(zip(pages[::3], pages[1::3], pages[2::3]))
@@ -98,7 +98,7 @@ def test_probe_rows_differ_in_slot_position_and_length(tiny):
     assert len({p for _, _, p in triples}) == 3 and 0 not in {p for _, _, p in triples}
 
     bucket = max_len + 6
-    tokens, positions, slots, pages = runner.probe(bucket, seed=3)
+    tokens, positions, slots, _, pages = runner.probe(bucket, seed=3)
     real = max_len - 2
     span = PROBE_PAGES * page
     assert set(positions[:real]) == set(range(1, span - 1)) and scratch not in slots[:real]
@@ -116,7 +116,7 @@ def test_probe_fits_a_small_pool(tiny):
     rest pad), and never hands out a page twice."""
     cache = tiny.model.make_kv_cache(8, num_pages=1 + 6)
     runner = GraphRunner(tiny.model, cache, GraphPolicy())
-    _, positions, slots, pages = runner.probe(8, seed=1)
+    _, positions, slots, _, pages = runner.probe(8, seed=1)
     real = [s for s in slots if s != cache.scratch_slot]
     assert 0 < len(real) < 8 and len(pages[2::3]) == len(set(pages[2::3])) <= 6
     per_slot = len(pages) // 3 // len(set(real))

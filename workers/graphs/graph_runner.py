@@ -1,15 +1,17 @@
 """Captures the decode step as CUDA graphs, one per batch-size bucket, and replays them.
 
-Static input buffers (token ids, positions, slot ids) are allocated once; each step copies the live
-batch into them, padding rows pointing at the KV cache's scratch slot (its block-table row is all
-scratch page, its length 1). The block table itself is a static input too: it changes in place, by
-the step's edits, before the copy. Capture happens before the
-engine is READY: eager warmup on a side stream, then buckets largest first into one shared memory
-pool with the garbage collector quiet. A bucket that fails to capture, does not fit the memory
-budget, or replays differently from eager in the consistency check is recorded in the BucketTable
-with its reason and runs eager. Nothing is ever captured on the request path. With tensor
-parallelism the ranks agree on the captured buckets before verifying them (each verification
-replays all-reduces, which must pair up across ranks) and again after.
+Static input buffers (token ids, positions, slot ids, adapter slots) are allocated once; each step
+copies the live batch into them, padding rows pointing at the KV cache's scratch slot (its
+block-table row is all scratch page, its length 1) and at the null adapter. A runner made with
+`lora=True` captures the step with the LoRA deltas (`lora.py`); one without, the plain step, which
+costs nothing extra for batches that use no adapter. The block table itself is a static input too:
+it changes in place, by the step's edits, before the copy. Capture happens before the engine is
+READY: eager warmup on a side stream, then buckets largest first into one shared memory pool with
+the garbage collector quiet. A bucket that fails to capture, does not fit the memory budget, or
+replays differently from eager in the consistency check is recorded in the BucketTable with its
+reason and runs eager. Nothing is ever captured on the request path. With tensor parallelism the
+ranks agree on the captured buckets before verifying them (each verification replays all-reduces,
+which must pair up across ranks) and again after.
 
 `full` captures the whole step; `piecewise` captures the pieces between attention calls and runs
 attention eager (for backends that cannot be captured).
@@ -79,8 +81,9 @@ def allow_compiled_shapes(shapes: int) -> None:
 
 
 class GraphRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, policy: GraphPolicy) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, policy: GraphPolicy, lora: bool = False) -> None:
         self.model = model
+        self.lora = lora
         self.cache = cache
         self.policy = policy
         self.backend = model.attention_backend
@@ -105,8 +108,8 @@ class GraphRunner:
             self.step_fn = torch.compile(model.decode, dynamic=False, options={"triton.cudagraphs": False})
             self.compiled = True
         max_rows = max(buckets)
-        self.inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
 
     @property
     def enabled(self) -> bool:
@@ -130,7 +133,7 @@ class GraphRunner:
         """Recompute the step just replayed with the function it was captured from, on the same static
         inputs (see `shadow_verify.py`); a mismatch withdraws the bucket on every rank. Returns the
         step's logits: the eager ones, which are right whatever the graph did."""
-        eager = self.step_fn(*self._views(bucket), self.cache)[: replayed.shape[0]]
+        eager = self._step(bucket)[: replayed.shape[0]]
         detail = self.shadow.compare(f"decode_bs_{bucket}", replayed, eager)
         mismatch = torch.tensor([detail is not None], dtype=torch.int32, device=self.device)
         if self.model.tp.world_size > 1:  # every rank withdraws it, or none: they must replay together
@@ -143,24 +146,32 @@ class GraphRunner:
 
     def eager(self, batch: DecodeInputs) -> torch.Tensor:
         self.cache.set_pages(batch.pages)
-        return self.model.decode(*batch.to_device(self.device), self.cache)
+        tokens, positions, slots, adapters = batch.to_device(self.device)
+        return self.model.decode(tokens, positions, slots, self.cache, adapters if self.lora else None)
 
     def prefill(self, batch: PrefillInputs) -> torch.Tensor:
         """Prefill always runs eager; here so every rank makes each model call the same one way."""
         self.cache.set_pages(batch.pages)
-        return self.model.prefill(*batch.to_device(self.device), batch.lens, self.cache)
+        tokens, positions, slots, adapters = batch.to_device(self.device)
+        return self.model.prefill(tokens, positions, slots, batch.lens, self.cache, adapters if self.lora else None)
 
     def _load(self, batch: DecodeInputs, bucket: int) -> None:
         """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
         n = batch.rows
         host = self._host[:, :bucket]
-        host[:, :n] = torch.tensor(batch[:3])
-        host[:2, n:] = 0
+        host[:, :n] = torch.tensor(batch[:4])
+        host[:, n:] = 0
         host[2, n:] = self.cache.scratch_slot
         self.inputs[:, :bucket].copy_(host, non_blocking=True)
 
-    def _views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket]
+    def _views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """tokens, positions, slots and (LoRA runner only) adapter slots of a bucket's static inputs."""
+        return (*self.inputs[:3, :bucket], self.inputs[3, :bucket] if self.lora else None)
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        """The step function on a bucket's static inputs: what is captured, and its eager twin."""
+        tokens, positions, slots, adapters = self._views(bucket)
+        return self.step_fn(tokens, positions, slots, self.cache, adapters)
 
     # -- startup -------------------------------------------------------------------------------
 
@@ -169,7 +180,7 @@ class GraphRunner:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, self.model.cfg.vocab_size, (bucket,), generator=g).tolist()
         positions = [i % self.cache.max_model_len for i in range(bucket)]
-        return DecodeInputs(tokens, positions, [self.cache.scratch_slot] * bucket)
+        return DecodeInputs(tokens, positions, [self.cache.scratch_slot] * bucket, [0] * bucket)
 
     def probe(self, bucket: int, seed: int) -> DecodeInputs:
         """A verification batch whose rows differ in what a graph could mix up: row i decodes a random
@@ -196,7 +207,8 @@ class GraphRunner:
         pool = (torch.randperm(cache.num_pages - 1, generator=g) + 1)[: len(real) * per_slot].tolist()
         pages = [v for j, slot in enumerate(real) for k in range(per_slot) for v in (slot, k, pool[j * per_slot + k])]
         pad = bucket - n
-        return DecodeInputs(tokens + [0] * pad, positions + [0] * pad, slots + [cache.scratch_slot] * pad, pages)
+        return DecodeInputs(tokens + [0] * pad, positions + [0] * pad, slots + [cache.scratch_slot] * pad,
+                            [0] * bucket, pages)  # fmt: skip
 
     def _probe_span(self, rows: int) -> int:
         return min(rows + 2, PROBE_PAGES * self.cache.page_size)
@@ -250,7 +262,7 @@ class GraphRunner:
             for bucket in sorted(self.table.buckets if self.enabled else (1,), reverse=True):
                 for _ in range(2):
                     self._load(self._scratch_batch(bucket), bucket)
-                    self.step_fn(*self._views(bucket), self.cache)
+                    self._step(bucket)
             if stream:
                 torch.cuda.synchronize()
             if self.compiled:
@@ -324,7 +336,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         self._graphs[bucket] = [graph]
         with torch.cuda.graph(graph, pool=pool):
-            out = self.step_fn(*self._views(bucket), self.cache)
+            out = self._step(bucket)
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -337,7 +349,7 @@ class GraphRunner:
         each layer's rest + the next layer up to attention; then the last layer's rest + logits.
         Attention runs eager between them, reading the queries the previous graph left."""
         m, cache = self.model, self.cache
-        tokens, positions, slots = self._views(bucket)
+        tokens, positions, slots, adapters = self._views(bucket)
         attn_out = torch.zeros(bucket, m.layers[0].attn.num_heads * m.cfg.head_dim, dtype=m.cfg.dtype,
                                device=self.device)  # fmt: skip
         graphs = self._graphs[bucket] = []
@@ -350,20 +362,20 @@ class GraphRunner:
         def first():
             h, cos, sin = m.embed_tokens(tokens, positions)
             index = cache.write_index(slots, positions)
-            return h, cos, sin, index, m.pre_attention(0, h, cos, sin, index, cache)[0]
+            return h, cos, sin, index, m.pre_attention(0, h, cos, sin, index, cache, adapters)[0]
 
         h, cos, sin, index, q = capture(first)
         queries = [q]
         for i in range(1, len(m.layers)):
 
             def middle(i=i, h=h):
-                h = m.post_attention(i - 1, h, attn_out)
-                return h, m.pre_attention(i, h, cos, sin, index, cache)[0]
+                h = m.post_attention(i - 1, h, attn_out, adapters)
+                return h, m.pre_attention(i, h, cos, sin, index, cache, adapters)[0]
 
             h, q = capture(middle)
             queries.append(q)
         last_h = h
-        logits = capture(lambda: m.logits(m.post_attention(len(m.layers) - 1, last_h, attn_out)))
+        logits = capture(lambda: m.logits(m.post_attention(len(m.layers) - 1, last_h, attn_out, adapters)))
 
         def replay() -> torch.Tensor:
             window = m.cfg.sliding_window
@@ -398,7 +410,7 @@ class GraphRunner:
             with self._probe_kv(batch, seed) as reset:
                 reset()
                 self._load(batch, bucket)
-                eager = self.step_fn(*self._views(bucket), self.cache).float()
+                eager = self._step(bucket).float()
                 reset()
                 replayed = self._replays[bucket]().float()
             diff = (replayed - eager).abs().max().item()

@@ -141,19 +141,18 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_sin", angles.sin().to(cfg.dtype).to(device), persistent=False)
         self.attention_backend = make_backend(attention_backend, self.embed.weight.device)
         self.lora: LoraSlots | None = None  # None: no LoRA, and no cost
-        self.lora_rows: torch.Tensor | None = None  # the adapter slot of each row of the next call
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
-        """Allocate adapter slots once (they keep their addresses); rows then name a slot in
-        `lora_rows` (0: no adapter)."""
+        """Allocate adapter slots once (they keep their addresses); a call's rows then name a slot
+        in its `adapters` argument (0: no adapter)."""
         if self.tp.world_size > 1:
             raise ValueError("lora: tensor_parallel_size > 1 is not supported with LoRA adapters yet")
         self.lora = LoraSlots(self.cfg, max_loras, max_rank, self.cfg.dtype, self.embed.weight.device)
         return self.lora
 
-    def _adapt(self, i: int) -> Adapt | None:
-        lora, rows = self.lora, self.lora_rows
-        if lora is None:
+    def _adapt(self, i: int, rows: torch.Tensor | None) -> Adapt | None:
+        lora = self.lora
+        if lora is None or rows is None:
             return None
         return lambda target, x: lora.delta(i, target, x, rows)
 
@@ -207,18 +206,18 @@ class LlamaModel(nn.Module):
         """Hidden states and the rope cos/sin rows for these tokens."""
         return F.embedding(tokens, self.embed.weight), self.rope_cos[positions], self.rope_sin[positions]
 
-    def pre_attention(self, i: int, h, cos, sin, write_index: torch.Tensor, cache: KVCache):
+    def pre_attention(self, i: int, h, cos, sin, write_index: torch.Tensor, cache: KVCache, adapters=None):
         """Layer i up to attention: norm, QKV, rope; stores this step's K/V (at the cache's
-        `write_index` of each token); returns q, k, v."""
+        `write_index` of each token); returns q, k, v. `adapters`: each row's LoRA slot, or None."""
         block = self.layers[i]
         x = rms_norm(h, block.input_norm.weight, self.cfg.rms_norm_eps)
-        q, k, v = block.attn.project(x, cos, sin, self._adapt(i))
+        q, k, v = block.attn.project(x, cos, sin, self._adapt(i, adapters))
         cache.write(i, write_index, k, v)
         return q, k, v
 
-    def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor, adapters=None) -> torch.Tensor:
         """Layer i after attention: output projection, residual, MLP, residual."""
-        block, adapt = self.layers[i], self._adapt(i)
+        block, adapt = self.layers[i], self._adapt(i, adapters)
         out = block.attn.o(attn)
         if adapt is not None:
             out = out + adapt("o_proj", attn)
@@ -226,17 +225,23 @@ class LlamaModel(nn.Module):
         return h + block.mlp(rms_norm(h, block.post_attn_norm.weight, self.cfg.rms_norm_eps), adapt)
 
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, cache: KVCache
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor,
+        cache: KVCache,
+        adapters: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per row: tokens/positions/slot_ids of shape (rows,) -> logits (rows, vocab).
-        Each row attends to its own slot's pages, positions 0..position (inclusive, windowed if set)."""
+        Each row attends to its own slot's pages, positions 0..position (inclusive, windowed if set).
+        `adapters` (rows,) names each row's LoRA slot; None runs the plain model."""
         window = self.cfg.sliding_window
         meta = self.attention_backend.prepare(cache, positions, window)
         index = cache.write_index(slot_ids, positions)
         h, cos, sin = self.embed_tokens(tokens, positions)
         for i in range(len(self.layers)):
-            q, _, _ = self.pre_attention(i, h, cos, sin, index, cache)
-            h = self.post_attention(i, h, self.attention_backend(q, cache, i, slot_ids, meta, window))
+            q, _, _ = self.pre_attention(i, h, cos, sin, index, cache, adapters)
+            h = self.post_attention(i, h, self.attention_backend(q, cache, i, slot_ids, meta, window), adapters)
         return self.logits(h)
 
     def prefill(
@@ -246,6 +251,7 @@ class LlamaModel(nn.Module):
         slot_ids: torch.Tensor,
         seq_lens: list[int],
         cache: KVCache,
+        adapters: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Whole prompts packed end to end (tokens of shape (sum(seq_lens),)); returns the logits of
         each prompt's last token, (len(seq_lens), vocab). Attention is causal within each prompt:
@@ -256,11 +262,11 @@ class LlamaModel(nn.Module):
         prompts = PackedPrompts(seq_lens, h.device) if packed else None
         index = cache.write_index(slot_ids, positions)
         for i in range(len(self.layers)):
-            q, k, v = self.pre_attention(i, h, cos, sin, index, cache)
+            q, k, v = self.pre_attention(i, h, cos, sin, index, cache, adapters)
             if packed:
                 attn = packed_attention(q, k, v, prompts, window)
             else:
                 attn = per_prompt_attention(q, k, v, seq_lens, window)
-            h = self.post_attention(i, h, attn)
+            h = self.post_attention(i, h, attn, adapters)
         last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
         return self.logits(h[last])

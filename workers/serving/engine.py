@@ -182,8 +182,7 @@ class LLMEngine:
         Greedy and filtered sampling run once each for the same reason."""
         ladder = prefill_sizes(self.config.max_prefill_tokens, self.max_model_len)
         for lens in ladder if self.device.type == "cuda" else ladder[:1]:
-            n = sum(lens)
-            batch = PrefillInputs([0] * n, [p for m in lens for p in range(m)], [self.cache.scratch_slot] * n, lens)
+            batch = PrefillInputs.scratch(lens, self.cache.scratch_slot)
             self._send(PREFILL, batch)
             logits = self.runner.prefill(batch)
         rows = len(lens)

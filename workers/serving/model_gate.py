@@ -68,8 +68,9 @@ def run_gate(engine: LLMEngine, tokenizer, prompts_file: str | None) -> dict:
 
 def _eager_probe(engine: LLMEngine, prompts: list[list[int]]) -> None:
     lens = [len(p) for p in prompts]
-    batch = PrefillInputs([t for p in prompts for t in p], [i for n in lens for i in range(n)],
-                          [engine.cache.scratch_slot] * sum(lens), lens)  # fmt: skip
+    n = sum(lens)
+    batch = PrefillInputs([t for p in prompts for t in p], [i for m in lens for i in range(m)],
+                          [engine.cache.scratch_slot] * n, [0] * n, lens)  # fmt: skip
     engine._send(PREFILL, batch)
     logits = engine.runner.prefill(batch)
     if not bool(torch.isfinite(logits).all()):

@@ -41,6 +41,7 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: str | None = None
     graph_denial: FallbackReason | None = None
+    adapter_slot: int = 0  # the LoRA slot its rows read; 0: none
 
     @property
     def length(self) -> int:

@@ -1,7 +1,8 @@
 """The inputs of one model call, built once from the scheduler's sequences and handed as they are to
 the graph runner (which copies them into its static buffers) and to the tensor-parallel step
-channel (which sends them as one list of ints). A new per-row input (an adapter id) is added here,
-once, instead of in every place that builds, sends or unpacks a step.
+channel (which sends them as one list of ints). Each per-row input is added here, once, instead of
+in every place that builds, sends or unpacks a step: `adapters` is the LoRA slot each row reads
+(0: none, see `lora.py`).
 
 `pages` are the block-table edits (slot, index, page) the scheduler made since the last model call:
 each rank applies them to its own cache's block table before the call, so every rank reads the
@@ -19,40 +20,47 @@ from workers.serving.scheduler import Sequence
 
 
 class DecodeInputs(NamedTuple):
-    """Per row: the token to decode, its position and its slot (block-table row)."""
+    """Per row: the token to decode, its position, its slot (block-table row) and its adapter slot."""
 
     tokens: list[int]
     positions: list[int]
     slots: list[int]
+    adapters: list[int]
     pages: list[int] = []
 
     @classmethod
     def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> DecodeInputs:
-        return cls([s.output_ids[-1] for s in seqs], [s.length - 1 for s in seqs], [s.slot for s in seqs], list(pages))
+        return cls([s.output_ids[-1] for s in seqs], [s.length - 1 for s in seqs], [s.slot for s in seqs],
+                   [s.adapter_slot for s in seqs], list(pages))  # fmt: skip
 
     @property
     def rows(self) -> int:
         return len(self.tokens)
 
+    @property
+    def uses_lora(self) -> bool:
+        return any(self.adapters)
+
     def to_ints(self) -> list[int]:
-        return [*self.tokens, *self.positions, *self.slots, *self.pages]
+        return [*self.tokens, *self.positions, *self.slots, *self.adapters, *self.pages]
 
     @classmethod
     def from_ints(cls, rows: int, values: list[int]) -> DecodeInputs:
-        return cls(values[:rows], values[rows : 2 * rows], values[2 * rows : 3 * rows], values[3 * rows :])
+        return cls(*(values[i * rows : (i + 1) * rows] for i in range(4)), values[4 * rows :])
 
-    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens, positions, slots as device tensors, in one host-to-device copy."""
-        return tuple(torch.tensor(self[:3], dtype=torch.int64).to(device, non_blocking=True))
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """tokens, positions, slots, adapters as device tensors, in one host-to-device copy."""
+        return tuple(torch.tensor(self[:4], dtype=torch.int64).to(device, non_blocking=True))
 
 
 class PrefillInputs(NamedTuple):
     """Whole sequences packed end to end (a preempted one again with its output so far): per token
-    its id, position and slot; per sequence its length."""
+    its id, position, slot and adapter slot; per sequence its length."""
 
     tokens: list[int]
     positions: list[int]
     slots: list[int]
+    adapters: list[int]
     lens: list[int]
     pages: list[int] = []
 
@@ -62,23 +70,35 @@ class PrefillInputs(NamedTuple):
             [t for s in seqs for t in s.token_ids],
             [p for s in seqs for p in range(s.length)],
             [s.slot for s in seqs for _ in range(s.length)],
+            [s.adapter_slot for s in seqs for _ in range(s.length)],
             [s.length for s in seqs],
             list(pages),
         )
+
+    @classmethod
+    def scratch(cls, lens: Rows[int], scratch_slot: int) -> PrefillInputs:
+        """Prompts of zeros written only to the cache's scratch slot (warm-up, gates)."""
+        n = sum(lens)
+        return cls([0] * n, [p for m in lens for p in range(m)], [scratch_slot] * n, [0] * n, list(lens))
 
     @property
     def rows(self) -> int:
         return len(self.lens)
 
+    @property
+    def uses_lora(self) -> bool:
+        return any(self.adapters)
+
     def to_ints(self) -> list[int]:
-        return [*self.lens, *self.tokens, *self.positions, *self.slots, *self.pages]
+        return [*self.lens, *self.tokens, *self.positions, *self.slots, *self.adapters, *self.pages]
 
     @classmethod
     def from_ints(cls, rows: int, values: list[int]) -> PrefillInputs:
         lens, rest = values[:rows], values[rows:]
         n = sum(lens)
-        return cls(rest[:n], rest[n : 2 * n], rest[2 * n : 3 * n], lens, rest[3 * n :])
+        return cls(*(rest[i * n : (i + 1) * n] for i in range(4)), lens, rest[4 * n :])
 
-    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens, positions, slots as device tensors, in one host-to-device copy (lens stay on the host)."""
-        return tuple(torch.tensor(self[:3], dtype=torch.int64).to(device, non_blocking=True))
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """tokens, positions, slots, adapters as device tensors, in one host-to-device copy (lens
+        stay on the host)."""
+        return tuple(torch.tensor(self[:4], dtype=torch.int64).to(device, non_blocking=True))
