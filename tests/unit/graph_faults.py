@@ -111,8 +111,9 @@ class EagerGraphRunner(GraphRunner):
         policy: GraphPolicy,
         faults: dict[int, Step] | None = None,
         fail: frozenset[int] = frozenset(),
+        lora: bool = False,
     ) -> None:
-        super().__init__(model, cache, policy)
+        super().__init__(model, cache, policy, lora)
         assert self.table.global_reason == FallbackReason.UNAVAILABLE, "a CPU stand-in, for a CPU model"
         self.table.global_reason = None  # what a CUDA device would allow: the stand-in captures instead
         self.faults = faults or {}

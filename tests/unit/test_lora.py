@@ -9,27 +9,31 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
+from tests.lora_adapters import make_adapter
 from tests.unit.conftest import make_hf_checkpoint
+from workers.modeling.checkpoint import load_model
 from workers.modeling.config import load_config
-from workers.modeling.lora import AdapterError, LoraSlots, load_adapter
+from workers.modeling.lora import TARGETS, AdapterError, load_adapter
 
 MAX_RANK = 8
-
-
-def make_adapter(model, path, seed: int, **options):
-    """A PEFT adapter with random non-zero A and B (init_lora_weights=False), saved to path."""
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **options))
-    peft_model.save_pretrained(path)
-    return peft_model.eval()
 
 
 def peft_layer(peft_model, layer: int, target: str):
     block = peft_model.base_model.model.model.layers[layer]
     return getattr(block.self_attn if target in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, target)
+
+
+def delta(model, layer: int, target: str, x: torch.Tensor, adapters: torch.Tensor) -> torch.Tensor:
+    """What the model's slots add to one target's output (its slice of a fused layer) for inputs x."""
+    owner, part = TARGETS[target]
+    linear = model.layers[layer].get_submodule(owner)
+    added = linear.adapter.add(torch.zeros(x.shape[0], linear.weight.shape[0]), x, model.lora.batch(adapters))
+    if owner in ("attn.o", "mlp.down"):
+        return added
+    start, stop = linear.part_ranges[part]
+    return added[:, linear.part_offsets[part] : linear.part_offsets[part] + stop - start]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -54,8 +58,8 @@ def test_the_slots_add_what_peft_adds(base, tmp_path, name):
     peft_model = make_adapter(model, tmp_path / name, seed=3, **ADAPTERS[name])
     cfg = load_config(base)
     adapter = load_adapter(tmp_path / name, name, cfg, MAX_RANK)
-    slots = LoraSlots(cfg, max_loras=2, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
-    slots.load(2, adapter)
+    ours = load_model(base, max_model_len=64)
+    ours.enable_lora(max_loras=2, max_rank=MAX_RANK).load(2, adapter)
     g = torch.Generator().manual_seed(5)
     for (layer, target), (a, b) in adapter.weights.items():
         module = peft_layer(peft_model, layer, target)
@@ -63,7 +67,7 @@ def test_the_slots_add_what_peft_adds(base, tmp_path, name):
         x = torch.randn(3, a.shape[1], generator=g)
         with torch.no_grad():
             want = module(x) - module.base_layer(x)
-        got = slots.delta(layer, target, x, torch.tensor([2, 2, 0]))
+        got = delta(ours, layer, target, x, torch.tensor([2, 2, 0]))
         assert torch.allclose(got[:2], want[:2], rtol=1e-4, atol=1e-5) and not got[2].any()
         assert want.abs().max() > 1e-3  # the adapter matters
     assert len(adapter.weights) == cfg.num_layers * (7 if name == "all" else len(ADAPTERS[name]["target_modules"]))
@@ -73,7 +77,8 @@ def test_a_mixed_batch_equals_each_row_alone(base, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(base)
-    slots = LoraSlots(cfg, max_loras=3, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
+    ours = load_model(base, max_model_len=64)
+    slots = ours.enable_lora(max_loras=3, max_rank=MAX_RANK)
     for slot, name in enumerate(ADAPTERS, 1):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         make_adapter(model, tmp_path / name, seed=slot, **ADAPTERS[name])
@@ -82,8 +87,8 @@ def test_a_mixed_batch_equals_each_row_alone(base, tmp_path):
     g = torch.Generator().manual_seed(7)
     for target, size in (("q_proj", cfg.hidden_size), ("down_proj", cfg.intermediate_size)):
         x = torch.randn(len(rows), size, generator=g)
-        batched = slots.delta(1, target, x, rows)
-        alone = torch.cat([slots.delta(1, target, x[i : i + 1], rows[i : i + 1]) for i in range(len(rows))])
+        batched = delta(ours, 1, target, x, rows)
+        alone = torch.cat([delta(ours, 1, target, x[i : i + 1], rows[i : i + 1]) for i in range(len(rows))])
         assert torch.allclose(batched, alone, rtol=1e-5, atol=1e-6)
         assert not batched[rows == 0].any() and batched[rows == 3].abs().max() > 0
 
@@ -92,14 +97,17 @@ def test_loading_a_slot_again_replaces_the_adapter_in_place(base, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(base)
-    slots = LoraSlots(cfg, max_loras=1, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
-    addresses = {k: t.data_ptr() for k, t in slots.a.items()}
+    ours = load_model(base, max_model_len=64)
+    slots = ours.enable_lora(max_loras=1, max_rank=MAX_RANK)
+    addresses = {k: (lin.a.data_ptr(), lin.b.data_ptr()) for k, lin in slots.linears.items()}
     for name in ("all", "attn"):
         make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name, seed=9,
                      **ADAPTERS[name])  # fmt: skip
         slots.load(1, load_adapter(tmp_path / name, name, cfg, MAX_RANK))
-    assert {k: t.data_ptr() for k, t in slots.a.items()} == addresses
-    assert not slots.a[(0, "down_proj")][1].any()  # "attn" does not target it: what "all" left is gone
+    assert {k: (lin.a.data_ptr(), lin.b.data_ptr()) for k, lin in slots.linears.items()} == addresses
+    x = torch.randn(2, cfg.intermediate_size)
+    assert not delta(ours, 0, "down_proj", x, torch.tensor([1, 1])).any()  # "attn" does not target it
+    assert delta(ours, 0, "q_proj", x[:, : cfg.hidden_size], torch.tensor([1, 1])).abs().max() > 0
 
 
 @pytest.mark.parametrize(("change", "field"), [

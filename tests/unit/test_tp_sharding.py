@@ -15,8 +15,9 @@ import torch.multiprocessing as mp
 from policies.graph_policy import GraphPolicy
 from tests.kv_pages import page_edits
 from tests.unit.conftest import make_hf_checkpoint
-from workers.graphs.graph_runner import GraphRunner
 from workers.modeling.checkpoint import load_model
+from workers.modeling.lora import load_adapter
+from workers.serving.engine import make_runners
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
 from workers.tensor_parallel.parallel import TPGroup
 from workers.tensor_parallel.tp import DECODE, PREFILL, STOP, StepChannel, follow, init_tp_group
@@ -31,36 +32,38 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run_greedy(model, send=None):
-    """Prefill the prompts (slots 0..2, scattered pages), then STEPS greedy decode steps; logits of
-    every step."""
+def run_greedy(model, send=None, adapters=(0, 0, 0)):
+    """Prefill the prompts (slots 0..2, scattered pages, LoRA slots `adapters`), then STEPS greedy
+    decode steps; logits of every step."""
     cache = model.make_kv_cache(len(PROMPTS))
     prefill = PrefillInputs(
         [t for p in PROMPTS for t in p], [i for p in PROMPTS for i in range(len(p))],
-        [s for s, p in enumerate(PROMPTS) for _ in p], [0] * sum(map(len, PROMPTS)), [len(p) for p in PROMPTS],
-        page_edits(cache),
+        [s for s, p in enumerate(PROMPTS) for _ in p], [a for a, p in zip(adapters, PROMPTS) for _ in p],
+        [len(p) for p in PROMPTS], page_edits(cache),
     )  # fmt: skip
     if send:
         send(PREFILL, prefill.rows, prefill.to_ints())
     cache.set_pages(prefill.pages)
-    tokens, positions, slots, _ = prefill.to_device(torch.device("cpu"))
-    logits = [model.prefill(tokens, positions, slots, prefill.lens, cache)]
+    tokens, positions, slots, lora = prefill.to_device(torch.device("cpu"))
+    lora = lora if prefill.uses_lora else None
+    logits = [model.prefill(tokens, positions, slots, prefill.lens, cache, lora)]
     lengths = list(prefill.lens)
     for _ in range(STEPS):
-        batch = DecodeInputs(logits[-1].argmax(-1).tolist(), list(lengths), list(range(len(PROMPTS))), [0] * 3)
+        batch = DecodeInputs(logits[-1].argmax(-1).tolist(), list(lengths), list(range(len(PROMPTS))), list(adapters))
         if send:
             send(DECODE, batch.rows, batch.to_ints())
-        logits.append(model.decode(*batch.to_device(torch.device("cpu"))[:3], cache))
+        tokens, positions, slots, lora = batch.to_device(torch.device("cpu"))
+        logits.append(model.decode(tokens, positions, slots, cache, lora if batch.uses_lora else None))
         lengths = [n + 1 for n in lengths]
     if send:
         send(STOP)
     return torch.stack(logits)
 
 
-def _rank(rank: int, port: int, path: str, out) -> None:
+def _rank(rank: int, port: int, path: str, out, adapters: list[str]) -> None:
     torch.set_num_threads(1)
     try:
-        _serve_rank(rank, port, path, out)
+        _serve_rank(rank, port, path, out, adapters)
     finally:
         torch.distributed.destroy_process_group()
     # Skip interpreter teardown: gloo's threads can abort the process there after a peer has gone,
@@ -70,22 +73,32 @@ def _rank(rank: int, port: int, path: str, out) -> None:
     os._exit(0)
 
 
-def _serve_rank(rank: int, port: int, path: str, out) -> None:
+def _serve_rank(rank: int, port: int, path: str, out, adapters: list[str]) -> None:
     tp = init_tp_group(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
     model = load_model(path, 64, tp=tp)
+    load_adapters(model, adapters)
     channel = StepChannel(tp, torch.device("cpu"))
     if rank == 0:
-        out.put(run_greedy(model, channel.send).numpy())  # by value: this process may exit first
+        rows = (1, 0, 2) if adapters else (0, 0, 0)
+        out.put(run_greedy(model, channel.send, rows).numpy())  # by value: this process may exit first
         return
     cache = model.make_kv_cache(len(PROMPTS))
-    follow(channel, GraphRunner(model, cache, GraphPolicy()))  # the engine's follower loop
+    follow(channel, make_runners(model, cache, GraphPolicy()))  # the engine's follower loop
 
 
-def sharded_logits(path) -> torch.Tensor:
+def load_adapters(model, adapters: list[str]) -> None:
+    """Adapters into slots 1, 2, ... (each rank reads its own shard of them)."""
+    if adapters:
+        slots = model.enable_lora(max_loras=len(adapters), max_rank=8)
+        for slot, path in enumerate(adapters, 1):
+            slots.load(slot, load_adapter(path, path, model.cfg, 8))
+
+
+def sharded_logits(path, adapters: list[str] = ()) -> torch.Tensor:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(path), out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, str(path), out, list(adapters))) for r in range(2)]
     for p in procs:
         p.start()
     result = torch.from_numpy(out.get(timeout=120))
@@ -110,6 +123,32 @@ def test_tp2_equals_tp1(tmp_path, model_type, extra):
     make_hf_checkpoint(tmp_path, model_type, seed=3, **extra)
     reference = run_greedy(load_model(tmp_path, 64))
     sharded = sharded_logits(tmp_path)
+    torch.testing.assert_close(sharded, reference, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sharded.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_tp2_with_lora_adapters_equals_tp1(tmp_path, model_type):
+    """Two PEFT adapters (all linear layers; attention only, rsLoRA) on rows 0 and 2, none on row 1:
+    column-parallel layers hold their rows of B, row-parallel ones their columns of A, and the
+    partial deltas ride the layers' own all-reduce. TP=2 equals TP=1 over prefill and 32 steps."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.lora_adapters import make_adapter
+
+    make_hf_checkpoint(tmp_path / "base", model_type, seed=3)
+    options = [dict(r=4, lora_alpha=8, target_modules="all-linear"),
+               dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], use_rslora=True)]  # fmt: skip
+    adapters = []
+    for i, option in enumerate(options):
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+        make_adapter(hf, tmp_path / f"adapter{i}", seed=i + 1, **option)
+        adapters.append(str(tmp_path / f"adapter{i}"))
+    model = load_model(tmp_path / "base", 64)
+    load_adapters(model, adapters)
+    reference = run_greedy(model, adapters=(1, 0, 2))
+    assert not torch.allclose(reference, run_greedy(load_model(tmp_path / "base", 64)), rtol=1e-3)
+    sharded = sharded_logits(tmp_path / "base", adapters)
     torch.testing.assert_close(sharded, reference, rtol=1e-4, atol=1e-5)
     assert torch.equal(sharded.argmax(-1), reference.argmax(-1))
 

@@ -71,12 +71,12 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     else:
         faults, fail = {}, frozenset()
     stand_in = functools.partial(EagerGraphRunner, faults=faults, fail=fail)
-    workers.serving.engine.GraphRunner = workers.tensor_parallel.shard.GraphRunner = stand_in  # this process only
+    workers.serving.engine.GraphRunner = stand_in  # this process only
     channel = StepChannel(tp, cpu)
     if rank == 1:
-        runner = workers.tensor_parallel.shard.prepare_follower(model, config)
-        follow(channel, runner)
-        return {"report": runner.report(), "replayed": dict(runner.replayed)}
+        runners = workers.tensor_parallel.shard.prepare_follower(model, config)
+        follow(channel, runners)
+        return {"report": runners.base.report(), "replayed": dict(runners.base.replayed)}
     engine = LLMEngine(model, config, eos, revision, channel=channel)
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
     for n in BATCH_SIZES:

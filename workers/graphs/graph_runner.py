@@ -26,10 +26,11 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason
+from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason, bucket_id
 from policies.graph_policy import GraphPolicy
 from workers.graphs.shadow_verify import ShadowVerifier
 from workers.kv.attention import GraphSupport
@@ -84,6 +85,7 @@ class GraphRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, policy: GraphPolicy, lora: bool = False) -> None:
         self.model = model
         self.lora = lora
+        self.prefix = "lora_" if lora else ""
         self.cache = cache
         self.policy = policy
         self.backend = model.attention_backend
@@ -115,6 +117,10 @@ class GraphRunner:
     def enabled(self) -> bool:
         return self.table.global_reason is None
 
+    def bucket_id(self, bucket: int | None) -> str:
+        """A bucket's name in reports and metrics: decode_bs_N, lora_decode_bs_N for LoRA graphs."""
+        return "none" if bucket is None else self.prefix + bucket_id(bucket)
+
     # -- the step ------------------------------------------------------------------------------
 
     def decode(self, batch: DecodeInputs) -> tuple[torch.Tensor, Dispatch]:
@@ -134,12 +140,12 @@ class GraphRunner:
         inputs (see `shadow_verify.py`); a mismatch withdraws the bucket on every rank. Returns the
         step's logits: the eager ones, which are right whatever the graph did."""
         eager = self._step(bucket)[: replayed.shape[0]]
-        detail = self.shadow.compare(f"decode_bs_{bucket}", replayed, eager)
+        detail = self.shadow.compare(self.bucket_id(bucket), replayed, eager)
         mismatch = torch.tensor([detail is not None], dtype=torch.int32, device=self.device)
         if self.model.tp.world_size > 1:  # every rank withdraws it, or none: they must replay together
             torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX, group=self.model.tp.group)
         if mismatch.item():
-            detail = detail or f"decode_bs_{bucket}: mismatch on another tensor-parallel rank"
+            detail = detail or f"{self.bucket_id(bucket)}: mismatch on another tensor-parallel rank"
             log.error("shadow verification failed, bucket %d runs eager from now on: %s", bucket, detail)
             self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, f"shadow verification: {detail}")
         return eager
@@ -190,8 +196,9 @@ class GraphRunner:
         of pages drawn at random from the whole pool (scattered, as a long-running server leaves
         them), set by the batch's block-table edits. span = min(n + 2, PROBE_PAGES pages) keeps the
         probe's KV small at large buckets; rows past n (a pool or max_model_len too small for
-        more), if any, pad like `_load`'s padding rows. The same on every rank: it depends only
-        on the bucket, the seed and the cache's shape."""
+        more), if any, pad like `_load`'s padding rows. A LoRA runner's rows take turns through
+        the adapter slots, 0 included. The same on every rank: it depends only on the bucket, the
+        seed and the cache's shape."""
         cache = self.cache
         g = torch.Generator().manual_seed(seed)
         n = max(0, min(bucket, cache.max_model_len - 2))
@@ -207,8 +214,10 @@ class GraphRunner:
         pool = (torch.randperm(cache.num_pages - 1, generator=g) + 1)[: len(real) * per_slot].tolist()
         pages = [v for j, slot in enumerate(real) for k in range(per_slot) for v in (slot, k, pool[j * per_slot + k])]
         pad = bucket - n
+        turns = self.model.lora.max_loras + 1 if self.lora else 1  # LoRA rows: slots 0, 1, ... in turn
+        adapters = [(i + seed) % turns for i in range(n)] + [0] * pad
         return DecodeInputs(tokens + [0] * pad, positions + [0] * pad, slots + [cache.scratch_slot] * pad,
-                            [0] * bucket, pages)  # fmt: skip
+                            adapters, pages)  # fmt: skip
 
     def _probe_span(self, rows: int) -> int:
         return min(rows + 2, PROBE_PAGES * self.cache.page_size)
@@ -362,20 +371,21 @@ class GraphRunner:
         def first():
             h, cos, sin = m.embed_tokens(tokens, positions)
             index = cache.write_index(slots, positions)
-            return h, cos, sin, index, m.pre_attention(0, h, cos, sin, index, cache, adapters)[0]
+            lora = m._lora_batch(adapters)
+            return h, cos, sin, index, lora, m.pre_attention(0, h, cos, sin, index, cache, lora)[0]
 
-        h, cos, sin, index, q = capture(first)
+        h, cos, sin, index, lora, q = capture(first)
         queries = [q]
         for i in range(1, len(m.layers)):
 
             def middle(i=i, h=h):
-                h = m.post_attention(i - 1, h, attn_out, adapters)
-                return h, m.pre_attention(i, h, cos, sin, index, cache, adapters)[0]
+                h = m.post_attention(i - 1, h, attn_out, lora)
+                return h, m.pre_attention(i, h, cos, sin, index, cache, lora)[0]
 
             h, q = capture(middle)
             queries.append(q)
         last_h = h
-        logits = capture(lambda: m.logits(m.post_attention(len(m.layers) - 1, last_h, attn_out, adapters)))
+        logits = capture(lambda: m.logits(m.post_attention(len(m.layers) - 1, last_h, attn_out, lora)))
 
         def replay() -> torch.Tensor:
             window = m.cfg.sliding_window
@@ -391,8 +401,12 @@ class GraphRunner:
     @torch.inference_mode()
     def verify(self) -> None:
         """Before READY: each captured bucket must replay what the same step computes eagerly on a
-        probe batch, or it is withdrawn (`verify_mismatch`)."""
-        for bucket, detail in self.check_buckets().items():
+        probe batch, or it is withdrawn (`verify_mismatch`). LoRA graphs are checked with random
+        adapters in every slot (emptied after), the probe's rows taking turns between them."""
+        slots = self.model.lora if self.lora else None
+        with slots.random_contents(seed=7) if slots else contextlib.nullcontext():
+            failed = self.check_buckets()
+        for bucket, detail in failed.items():
             self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, detail)
             log.warning("bucket %d failed verification: %s", bucket, detail)
 
@@ -400,32 +414,62 @@ class GraphRunner:
         """Each captured bucket's replay against the same step run eagerly on a probe batch (`probe`,
         attending to random K/V from `_probe_kv`, both runs from the same cache state): the buckets
         that disagree, with why. Withdraws nothing, so a model gate can check and still put the old
-        weights back. Non-finite logits always fail: NaN compares False with any tolerance. Every
-        real slot's KV is left as it was (only the scratch slot may change), so this may run again,
-        also with live sequences in the cache."""
+        weights back. Every real slot's KV is left as it was (only the scratch slot may change), so
+        this may run again, also with live sequences in the cache."""
         failed = {}
         for bucket in sorted(self.table.ready):
-            seed = bucket + 1
-            batch = self.probe(bucket, seed)
+            detail = self._check(bucket, self.probe(bucket, bucket + 1), bucket + 1)
+            if detail is not None:
+                failed[bucket] = detail
+        return failed
+
+    def _check(self, bucket: int, batch: DecodeInputs, seed: int) -> str | None:
+        """Why bucket's replay of `batch` differs from eager, or None. Non-finite logits always fail:
+        NaN compares False with any tolerance."""
+        with self._probe_kv(batch, seed) as reset:
+            reset()
+            self._load(batch, bucket)
+            eager = self._step(bucket).float()
+            reset()
+            replayed = self._replays[bucket]().float()
+        diff = (replayed - eager).abs().max().item()
+        self.records[bucket].verify_max_abs_diff = diff
+        tolerance = 1e-2 * eager.abs().max().item()
+        finite = bool(torch.isfinite(replayed).all()) and math.isfinite(diff)
+        same_tokens = torch.equal(replayed.argmax(-1), eager.argmax(-1))
+        if finite and same_tokens and diff <= tolerance:
+            return None
+        if not finite:
+            return f"non-finite logits: max |graph - eager| = {diff}"
+        return f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
+
+    @torch.inference_mode()
+    def check_adapter(self, slot: int, others: list[int]) -> str | None:
+        """Before an adapter just copied into `slot` serves: a probe batch whose rows take turns
+        between it, no adapter and the other loaded ones must replay what eager computes, on the
+        smallest captured bucket with room for that mix. Without graphs, the eager probe's logits
+        must be finite. With tensor parallelism every rank runs it and all fail it together."""
+        mix = [slot, 0, *others]
+        ready = sorted(self.table.ready)
+        bucket = next((b for b in ready if b >= len(mix)), ready[-1] if ready else None)
+        rows = bucket or min(len(mix), max(self.table.buckets))
+        seed = 1_000_003 + slot
+        batch = self.probe(rows, seed)
+        real = sum(s != self.cache.scratch_slot for s in batch.slots)
+        batch = batch._replace(adapters=[mix[i % len(mix)] if i < real else 0 for i in range(rows)])
+        if bucket is not None:
+            detail = self._check(bucket, batch, seed)
+        else:
             with self._probe_kv(batch, seed) as reset:
                 reset()
-                self._load(batch, bucket)
-                eager = self._step(bucket).float()
-                reset()
-                replayed = self._replays[bucket]().float()
-            diff = (replayed - eager).abs().max().item()
-            self.records[bucket].verify_max_abs_diff = diff
-            tolerance = 1e-2 * eager.abs().max().item()
-            finite = bool(torch.isfinite(replayed).all()) and math.isfinite(diff)
-            same_tokens = torch.equal(replayed.argmax(-1), eager.argmax(-1))
-            if finite and same_tokens and diff <= tolerance:
-                continue
-            failed[bucket] = (
-                f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
-                if finite
-                else f"non-finite logits: max |graph - eager| = {diff}"
-            )
-        return failed
+                finite = bool(torch.isfinite(self.eager(batch)).all())
+            detail = None if finite else "non-finite logits in an eager probe step"
+        failed = torch.tensor([detail is not None], dtype=torch.int32, device=self.device)
+        if self.model.tp.world_size > 1:
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.model.tp.group)
+        if failed.item():
+            return detail or "failed on another tensor-parallel rank"
+        return None
 
     def agree(self) -> None:
         """With tensor parallelism: a bucket replays only if it is ready on every rank; otherwise
@@ -471,7 +515,7 @@ class GraphRunner:
             rec = self.records.get(bucket, BucketRecord(bucket))
             missing = self.table.missing.get(bucket)
             diff = rec.verify_max_abs_diff
-            out[f"decode_bs_{bucket}"] = {
+            out[self.bucket_id(bucket)] = {
                 "ready": bucket in self.table.ready,
                 "compiled": self.compiled and bucket in self.table.ready,
                 "capture_s": rec.capture_s,
@@ -481,3 +525,23 @@ class GraphRunner:
                 "error": rec.error or (missing[1] if missing else None),
             }
         return out
+
+
+class StepRunners(NamedTuple):
+    """A rank's runners: the plain one, and with LoRA enabled one captured with the adapters. A
+    call goes to the LoRA runner only when one of its rows names an adapter, decided from the
+    inputs alone, so every tensor-parallel rank picks the same runner."""
+
+    base: GraphRunner
+    lora: GraphRunner | None = None
+
+    def of(self, batch: DecodeInputs | PrefillInputs) -> GraphRunner:
+        return self.lora if self.lora is not None and batch.uses_lora else self.base
+
+    @property
+    def all(self) -> tuple[GraphRunner, ...]:
+        return (self.base,) if self.lora is None else (self.base, self.lora)
+
+    def prepare(self, on_state: Callable[[EngineState], None] = lambda state: None) -> None:
+        for runner in self.all:
+            runner.prepare(on_state)

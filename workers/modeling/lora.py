@@ -6,26 +6,38 @@ with rsLoRA. Our QKV and gate/up layers are fused: each of q, k, v (gate, up) is
 layer's output, and its adapter applies to that slice only. What PEFT can do that is not supported
 here is refused with the field that asks for it.
 
-Slots are allocated once per targeted layer: A [slots, max_rank, in], B [slots, out, max_rank], slot
-0 the null adapter (zeros: adds nothing); B is stored with its scaling folded in and smaller ranks
-zero-padded, so loading an adapter is a copy into a free slot, and the slots keep their addresses
-(captured graphs read them). A batch's rows each name a slot; `delta` is one gather and two batched
-matmuls per layer part for all rows.
+Slots are allocated once per adapted linear layer, for the targets the server allows
+(`lora.target_modules`): max_loras slots of max_rank, smaller ranks zero-padded, B with its scaling
+folded in. Slot 0 is the null adapter: no storage, a row naming it gets nothing added. Loading an
+adapter is a copy into a slot; the slots keep their addresses, so captured graphs read whatever a
+slot holds. A call's rows each name a slot; each adapted layer adds all rows' deltas with one
+matmul over every slot, a mask and one addmm (`LinearLora`): its cost follows max_loras x
+max_lora_rank, not the batch's mix, which is why batches without adapters run graphs captured
+without LoRA (`graph_runner.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
 
 from workers.modeling.config import ModelConfig
+from workers.tensor_parallel.parallel import RowParallelLinear
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from workers.tensor_parallel.parallel import ColumnParallelLinear
 
 # PEFT's module names -> (our module within a block, part of a fused layer)
 TARGETS: dict[str, tuple[str, int]] = {
@@ -35,6 +47,15 @@ TARGETS: dict[str, tuple[str, int]] = {
 PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    """The slots a server allocates at start (`lora:` in its config); an adapter must fit them."""
+
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    target_modules: tuple[str, ...] = tuple(TARGETS)
 
 
 class AdapterError(ValueError):
@@ -152,6 +173,8 @@ def load_adapter(path: str | Path, name: str, cfg: ModelConfig, max_rank: int) -
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"layer {key[0]} {key[1]}: lora_A and lora_B weights are both needed")
         a, b = pair["A"], pair["B"]
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"layer {key[0]} {key[1]}: lora_A or lora_B holds NaN or inf")
         in_size, out_size = sizes[key[1]]
         if tuple(a.shape) != (config.r, in_size) or tuple(b.shape) != (out_size, config.r):
             raise AdapterError(f"layer {key[0]} {key[1]}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
@@ -167,32 +190,126 @@ def _sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
 
 
-class LoraSlots:
-    """Device tensors holding up to max_loras adapters (slot 0: none), allocated once."""
+class LoraBatch:
+    """A model call's per-row adapter slots, as the masks the linears multiply by: a layer with P
+    adapted parts has P * max_loras * max_rank slot columns, and a row keeps only its own slot's."""
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:  # fmt: skip
+    def __init__(self, adapters: torch.Tensor, column_slot: torch.Tensor, dtype: torch.dtype) -> None:
+        self._one = (adapters[:, None] == column_slot[None, :]).to(dtype)  # (rows, max_loras * max_rank)
+        self._masks: dict[int, torch.Tensor] = {1: self._one}
+
+    def mask(self, parts: int) -> torch.Tensor:
+        if parts not in self._masks:
+            self._masks[parts] = self._one.repeat(1, parts)
+        return self._masks[parts]
+
+
+class LinearLora:
+    """The adapter slots of one linear layer, fused parts and tensor-parallel shard included.
+
+    A [parts * max_loras * max_rank, in] stacks every part's slots; B [out, parts * max_loras *
+    max_rank] is block diagonal: part p's slot columns feed only part p's output rows. One call is
+    x @ A^T (every slot at once), masked to each row's slot, then one addmm into the layer's output:
+    three kernels whatever the batch's mix of adapters, and fixed shapes for the graphs. Sharded as
+    the layer is: a column-parallel layer keeps its rows of B (A whole), a row-parallel layer its
+    columns of A (B whole, its partial delta summed by the layer's own all-reduce)."""
+
+    def __init__(self, layer: ColumnParallelLinear | RowParallelLinear, parts: list[tuple[str, int]],
+                 max_loras: int, max_rank: int) -> None:  # fmt: skip
+        out_local, in_local = layer.weight.shape
+        self.targets = [target for target, _ in parts]
         self.max_loras, self.max_rank = max_loras, max_rank
-        slots = max_loras + 1
-        self.a: dict[tuple[int, str], torch.Tensor] = {}
-        self.b: dict[tuple[int, str], torch.Tensor] = {}
-        for layer in range(cfg.num_layers):
-            for target, (in_size, out_size) in _sizes(cfg).items():
-                self.a[(layer, target)] = torch.zeros(slots, max_rank, in_size, dtype=dtype, device=device)
-                self.b[(layer, target)] = torch.zeros(slots, out_size, max_rank, dtype=dtype, device=device)
+        width = len(parts) * max_loras * max_rank
+        weight = layer.weight
+        self.a = torch.zeros(width, in_local, dtype=weight.dtype, device=weight.device)
+        self.b = torch.zeros(out_local, width, dtype=weight.dtype, device=weight.device)
+        # per target: the adapter's input columns this shard reads, its output rows this shard
+        # holds, and where those rows sit in the (fused) layer's local output
+        self.shard: dict[str, tuple[slice, slice, int]] = {}
+        for target, part in parts:
+            if isinstance(layer, RowParallelLinear):
+                self.shard[target] = (slice(*layer.in_range), slice(None), 0)
+            else:
+                self.shard[target] = (slice(None), slice(*layer.part_ranges[part]), layer.part_offsets[part])
+
+    def columns(self, index: int, slot: int, rank: int) -> slice:
+        start = (index * self.max_loras + slot - 1) * self.max_rank
+        return slice(start, start + rank)
+
+    def load(self, slot: int, adapter: LoraAdapter, layer: int) -> None:
+        for index, target in enumerate(self.targets):
+            cols = self.columns(index, slot, self.max_rank)
+            self.a[cols].zero_()
+            self.b[:, cols].zero_()
+            if (layer, target) not in adapter.weights:
+                continue
+            a, b = adapter.weights[(layer, target)]
+            in_cols, out_rows, offset = self.shard[target]
+            b = b[out_rows]
+            cols = self.columns(index, slot, adapter.rank)
+            self.a[cols].copy_(a[:, in_cols])
+            self.b[offset : offset + b.shape[0], cols].copy_(b * adapter.scaling)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """y + each row's adapter delta, for the layer's input x and output y (2-D: rows, features)."""
+        return torch.addmm(y, (x @ self.a.t()) * batch.mask(len(self.targets)), self.b.t())
+
+
+class LoraSlots:
+    """Up to max_loras adapters on the device (slot 0: none), allocated once per adapted layer, so
+    they keep their addresses: loading an adapter is a copy into a slot, and graphs captured with
+    the slots read whatever adapter a slot holds when they replay."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, targets: Collection[str]) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.targets = tuple(t for t in TARGETS if t in targets)
+        weight = model.embed.weight
+        self.column_slot = torch.arange(1, max_loras + 1, device=weight.device).repeat_interleave(max_rank)
+        self.dtype = weight.dtype
+        self.linears: dict[tuple[int, str], LinearLora] = {}
+        for i, block in enumerate(model.layers):
+            for name, layer in (("attn.qkv", block.attn.qkv), ("attn.o", block.attn.o),
+                                ("mlp.gate_up", block.mlp.gate_up), ("mlp.down", block.mlp.down)):  # fmt: skip
+                parts = [(t, part) for t, (owner, part) in TARGETS.items() if owner == name and t in self.targets]
+                if parts:
+                    layer.adapter = self.linears[(i, name)] = LinearLora(layer, parts, max_loras, max_rank)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lin.a.nbytes + lin.b.nbytes for lin in self.linears.values())
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into a slot (1..max_loras), in place; what it does not target stays zero."""
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"slot {slot} is not one of 1..{self.max_loras}")
-        for key in self.a:
-            self.a[key][slot].zero_()
-            self.b[key][slot].zero_()
-        for key, (a, b) in adapter.weights.items():
-            self.a[key][slot, : adapter.rank].copy_(a)
-            self.b[key][slot, :, : adapter.rank].copy_(b * adapter.scaling)
+        self.check(adapter)
+        for (layer, _), linear in self.linears.items():
+            linear.load(slot, adapter, layer)
 
-    def delta(self, layer: int, target: str, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """What each row's adapter adds to a target's output: x (rows, in), slots (rows,) -> (rows, out)."""
-        shrunk = torch.bmm(self.a[(layer, target)][slots], x.unsqueeze(-1))  # (rows, max_rank, 1)
-        return torch.bmm(self.b[(layer, target)][slots], shrunk).squeeze(-1)
+    def check(self, adapter: LoraAdapter) -> None:
+        """AdapterError when the adapter needs more than these slots give: a higher rank, or a layer
+        they do not adapt (raising the limits means new slots, so new graphs: a rebuild)."""
+        outside = sorted(adapter.targets - set(self.targets))
+        if outside:
+            raise AdapterError(f"target_modules: {outside} are outside lora.target_modules {list(self.targets)}")
+        if adapter.rank > self.max_rank:
+            raise AdapterError(f"r: rank {adapter.rank} is above max_lora_rank {self.max_rank}")
+
+    @contextlib.contextmanager
+    def random_contents(self, seed: int) -> Iterator[None]:
+        """Every slot filled with random adapters for a check, emptied after: for verifying graphs
+        before any adapter is loaded (with empty slots, a graph that mixes up rows' slots could not
+        be told from a right one)."""
+        g = torch.Generator(self.column_slot.device).manual_seed(seed)
+        for linear in self.linears.values():
+            for t in (linear.a, linear.b):
+                t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype) / t.shape[1] ** 0.5)
+        try:
+            yield
+        finally:
+            for linear in self.linears.values():
+                linear.a.zero_()
+                linear.b.zero_()
+
+    def batch(self, adapters: torch.Tensor) -> LoraBatch:
+        return LoraBatch(adapters, self.column_slot, self.dtype)

@@ -9,7 +9,6 @@ allocation that depends on values), which is the step the graph runner captures.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,7 @@ from workers.kv.attention import make_backend
 from workers.kv.kv_cache import KVCache, pages_needed
 from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 from workers.modeling.config import ModelConfig
-from workers.modeling.lora import LoraSlots
+from workers.modeling.lora import TARGETS, LoraBatch, LoraSlots
 from workers.tensor_parallel.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
 
 
@@ -39,9 +38,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
-
-
-Adapt = Callable[[str, torch.Tensor], torch.Tensor]  # (PEFT target, layer input) -> what the adapters add
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,12 +67,10 @@ class Attention(nn.Module):
         self.o = RowParallelLinear(q, cfg.hidden_size, cfg.o_bias, tp, cfg.dtype, device)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adapt: Adapt | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraBatch | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv(x)
-        if adapt is not None:  # each part's adapter on its own slice of the fused output
-            qkv = qkv + torch.cat([adapt(t, x) for t in ("q_proj", "k_proj", "v_proj")], dim=-1)
+        qkv = self.qkv(x, lora)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
@@ -90,14 +84,9 @@ class MLP(nn.Module):
         self.gate_up = ColumnParallelLinear(cfg.hidden_size, [i, i], False, tp, cfg.dtype, device)
         self.down = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, cfg.dtype, device)
 
-    def forward(self, x: torch.Tensor, adapt: Adapt | None = None) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        if adapt is not None:
-            gate_up = gate_up + torch.cat([adapt("gate_proj", x), adapt("up_proj", x)], dim=-1)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        out = self.down(act)
-        return out if adapt is None else out + adapt("down_proj", act)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate, up = self.gate_up(x, lora).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, lora)
 
 
 class Block(nn.Module):
@@ -142,19 +131,14 @@ class LlamaModel(nn.Module):
         self.attention_backend = make_backend(attention_backend, self.embed.weight.device)
         self.lora: LoraSlots | None = None  # None: no LoRA, and no cost
 
-    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
-        """Allocate adapter slots once (they keep their addresses); a call's rows then name a slot
-        in its `adapters` argument (0: no adapter)."""
-        if self.tp.world_size > 1:
-            raise ValueError("lora: tensor_parallel_size > 1 is not supported with LoRA adapters yet")
-        self.lora = LoraSlots(self.cfg, max_loras, max_rank, self.cfg.dtype, self.embed.weight.device)
+    def enable_lora(self, max_loras: int, max_rank: int, targets: tuple[str, ...] = tuple(TARGETS)) -> LoraSlots:
+        """Allocate adapter slots once, on the layers `targets` name (they keep their addresses); a
+        call's rows then name a slot in its `adapters` argument (0: no adapter)."""
+        self.lora = LoraSlots(self, max_loras, max_rank, targets)
         return self.lora
 
-    def _adapt(self, i: int, rows: torch.Tensor | None) -> Adapt | None:
-        lora = self.lora
-        if lora is None or rows is None:
-            return None
-        return lambda target, x: lora.delta(i, target, x, rows)
+    def _lora_batch(self, adapters: torch.Tensor | None) -> LoraBatch | None:
+        return None if self.lora is None or adapters is None else self.lora.batch(adapters)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -206,23 +190,20 @@ class LlamaModel(nn.Module):
         """Hidden states and the rope cos/sin rows for these tokens."""
         return F.embedding(tokens, self.embed.weight), self.rope_cos[positions], self.rope_sin[positions]
 
-    def pre_attention(self, i: int, h, cos, sin, write_index: torch.Tensor, cache: KVCache, adapters=None):
+    def pre_attention(self, i: int, h, cos, sin, write_index: torch.Tensor, cache: KVCache, lora=None):
         """Layer i up to attention: norm, QKV, rope; stores this step's K/V (at the cache's
-        `write_index` of each token); returns q, k, v. `adapters`: each row's LoRA slot, or None."""
+        `write_index` of each token); returns q, k, v. `lora`: the call's LoraBatch, or None."""
         block = self.layers[i]
         x = rms_norm(h, block.input_norm.weight, self.cfg.rms_norm_eps)
-        q, k, v = block.attn.project(x, cos, sin, self._adapt(i, adapters))
+        q, k, v = block.attn.project(x, cos, sin, lora)
         cache.write(i, write_index, k, v)
         return q, k, v
 
-    def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor, adapters=None) -> torch.Tensor:
+    def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor, lora=None) -> torch.Tensor:
         """Layer i after attention: output projection, residual, MLP, residual."""
-        block, adapt = self.layers[i], self._adapt(i, adapters)
-        out = block.attn.o(attn)
-        if adapt is not None:
-            out = out + adapt("o_proj", attn)
-        h = h + out
-        return h + block.mlp(rms_norm(h, block.post_attn_norm.weight, self.cfg.rms_norm_eps), adapt)
+        block = self.layers[i]
+        h = h + block.attn.o(attn, lora)
+        return h + block.mlp(rms_norm(h, block.post_attn_norm.weight, self.cfg.rms_norm_eps), lora)
 
     def decode(
         self,
@@ -238,10 +219,11 @@ class LlamaModel(nn.Module):
         window = self.cfg.sliding_window
         meta = self.attention_backend.prepare(cache, positions, window)
         index = cache.write_index(slot_ids, positions)
+        lora = self._lora_batch(adapters)
         h, cos, sin = self.embed_tokens(tokens, positions)
         for i in range(len(self.layers)):
-            q, _, _ = self.pre_attention(i, h, cos, sin, index, cache, adapters)
-            h = self.post_attention(i, h, self.attention_backend(q, cache, i, slot_ids, meta, window), adapters)
+            q, _, _ = self.pre_attention(i, h, cos, sin, index, cache, lora)
+            h = self.post_attention(i, h, self.attention_backend(q, cache, i, slot_ids, meta, window), lora)
         return self.logits(h)
 
     def prefill(
@@ -261,12 +243,13 @@ class LlamaModel(nn.Module):
         packed = packed_supported(h, window)
         prompts = PackedPrompts(seq_lens, h.device) if packed else None
         index = cache.write_index(slot_ids, positions)
+        lora = self._lora_batch(adapters)
         for i in range(len(self.layers)):
-            q, k, v = self.pre_attention(i, h, cos, sin, index, cache, adapters)
+            q, k, v = self.pre_attention(i, h, cos, sin, index, cache, lora)
             if packed:
                 attn = packed_attention(q, k, v, prompts, window)
             else:
                 attn = per_prompt_attention(q, k, v, seq_lens, window)
-            h = self.post_attention(i, h, attn, adapters)
+            h = self.post_attention(i, h, attn, lora)
         last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
         return self.logits(h[last])

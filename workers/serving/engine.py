@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,20 +16,22 @@ import torch
 from policies.dispatch import EngineState, FallbackReason, split_by_permission
 from policies.graph_policy import GraphPolicy
 from policies.kv_blocks import BlockManager
-from workers.graphs.graph_runner import GraphRunner
+from policies.lora_slots import AdapterKey, AdapterSlots
+from workers.graphs.graph_runner import GraphRunner, StepRunners
 from workers.kv.attention import make_backend
 from workers.kv.kv_cache import KVCache
 from workers.kv.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
 from workers.modeling.checkpoint import load_model, load_tokenizer, model_revision
 from workers.modeling.config import DTYPES, ModelConfig, load_config
 from workers.modeling.default_model import default_model_dir
+from workers.modeling.lora import AdapterError, LoraLimits, load_adapter
 from workers.modeling.model import LlamaModel
-from workers.serving.sampling import SamplingParams, sample
+from workers.serving.sampling import InvalidRequest, SamplingParams, sample
 from workers.serving.scheduler import Scheduler, Sequence, new_sequence
 from workers.serving.stats import CallTimer, EngineStats
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
 from workers.tensor_parallel.parallel import TPGroup
-from workers.tensor_parallel.tp import DECODE, EAGER, NOOP, PREFILL, STOP, StepChannel
+from workers.tensor_parallel.tp import DECODE, EAGER, LORA_LOAD, NOOP, PREFILL, STOP, StepChannel
 
 MB = 1 << 20
 
@@ -50,6 +53,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9  # of the device memory free after weights (`kv_sizing.py`)
     compile_cache_dir: str | None = None  # inductor's on-disk cache; None: its default under /tmp
     graph_policy: GraphPolicy = GraphPolicy()
+    lora: LoraLimits | None = None  # adapter slots; None: LoRA off, and it costs nothing
 
     def batch_limit(self, device: torch.device) -> int:
         if self.max_num_seqs is not None:
@@ -71,12 +75,14 @@ class EngineStatus:
     stats: dict
     memory_mb: dict[str, float]  # weights, kv_pool, graphs: this rank's device memory, apart
     kv_cache: dict[str, int]  # page_size, pages, pages_free, max_num_seqs, preemptions
+    lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        if self.shards is None:
-            del out["shards"]
+        for optional in ("shards", "lora"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 
@@ -98,10 +104,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
-    """What every rank does to a loaded model before capture: pick the attention backend and
-    allocate the paged KV pool (sized by `kv_sizing.py`, the same on every rank)."""
+    """What every rank does to a loaded model before capture: pick the attention backend, allocate
+    the LoRA slots if enabled, and then the paged KV pool (sized by `kv_sizing.py` from what is left,
+    the same on every rank)."""
     device = model.embed.weight.device
     model.attention_backend = make_backend(config.attention_backend, device)
+    if config.lora is not None:
+        model.enable_lora(config.lora.max_loras, config.lora.max_lora_rank, config.lora.target_modules)
     if config.compile_cache_dir:  # read by inductor at each use: a start that finds it compiles ~5x faster
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.compile_cache_dir
     max_num_seqs = config.batch_limit(device)
@@ -112,6 +121,17 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
         config.max_prefill_tokens, graph_reserve,
     )  # fmt: skip
     return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
+
+
+def make_runners(model: LlamaModel, cache: KVCache, policy: GraphPolicy) -> StepRunners:
+    """The plain runner and, with LoRA slots, one captured with them (sharing one shadow verifier,
+    whose rate counts the replays of both)."""
+    base = GraphRunner(model, cache, policy)
+    if model.lora is None:
+        return StepRunners(base)
+    lora = GraphRunner(model, cache, policy, lora=True)
+    lora.shadow = base.shadow
+    return StepRunners(base, lora)
 
 
 def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | None = None):
@@ -163,10 +183,13 @@ class LLMEngine:
             blocks=BlockManager(self.cache.num_pages, self.cache.page_size, reserved=1),
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
-        self.runner = GraphRunner(model, self.cache, config.graph_policy)
+        self.runners = make_runners(model, self.cache, config.graph_policy)
+        self.runner = self.runners.base
+        self.adapter_slots = AdapterSlots(model.lora.max_loras) if model.lora else None
+        self._refused: list[TokenEvent] = []  # requests whose adapter failed to load at admission
         self.channel = channel
         try:
-            self.runner.prepare(on_state=self._set_state)
+            self.runners.prepare(on_state=self._set_state)
             self._warm_first_token_path()
         except Exception:
             self.state = EngineState.FAILED
@@ -185,6 +208,10 @@ class LLMEngine:
             batch = PrefillInputs.scratch(lens, self.cache.scratch_slot)
             self._send(PREFILL, batch)
             logits = self.runner.prefill(batch)
+        if self.runners.lora is not None:  # the LoRA path's first call pays its own set-up
+            batch = batch._replace(adapters=[1] * len(batch.tokens))
+            self._send(PREFILL, batch)
+            self.runners.lora.prefill(batch)
         rows = len(lens)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
             sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
@@ -202,13 +229,14 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             model_revision=self.revision,
             attention_backend=self.model.attention_backend.name,
-            buckets=self.runner.report(),
-            compile_s=self.runner.compile_s,
+            buckets={k: v for r in self.runners.all for k, v in r.report().items()},
+            compile_s=sum(r.compile_s for r in self.runners.all),
             stats={**self.stats.snapshot(), "shadow": self.runner.shadow.report()},
             memory_mb={
                 "weights": sum(t.nbytes for t in self.model.parameters()) / MB,
                 "kv_pool": self.cache.nbytes / MB,
-                "graphs": self.runner.graph_memory_mb(),
+                "graphs": sum(r.graph_memory_mb() for r in self.runners.all),
+                "lora": self.model.lora.nbytes / MB if self.model.lora else 0.0,
             },
             kv_cache={
                 "page_size": self.cache.page_size,
@@ -217,7 +245,15 @@ class LLMEngine:
                 "max_num_seqs": self.cache.num_slots,
                 "preemptions": self.scheduler.num_preempted,
             },
+            lora=self._lora_status(),
         )
+
+    def _lora_status(self) -> dict | None:
+        lora = self.model.lora
+        if lora is None:
+            return None
+        return {"max_loras": lora.max_loras, "max_lora_rank": lora.max_rank, "target_modules": list(lora.targets),
+                "adapters": self.adapter_slots.report()}  # fmt: skip
 
     def _set_state(self, state: EngineState) -> None:
         self.state = state
@@ -240,10 +276,98 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         graph_denial: FallbackReason | None = None,
+        adapter: AdapterKey | None = None,
     ) -> Sequence:
-        seq = new_sequence(prompt_ids, params, request_id, graph_denial)
-        self.scheduler.add(seq)
+        seq = new_sequence(prompt_ids, params, request_id, graph_denial, adapter)
+        self.add_sequence(seq)
         return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a request. One with a LoRA adapter gets its slot now when one is free (loading and
+        verifying the adapter if no slot holds it: a refusal is this request's InvalidRequest),
+        else when it reaches the head of the queue."""
+        if seq.adapter is not None and self.adapter_slots is None:
+            raise InvalidRequest(f"adapter {seq.adapter[0]!r}: LoRA is not enabled on this server (lora: unset)")
+        self.scheduler.add(seq)
+        if seq.adapter is not None:
+            try:
+                self._grant_adapter(seq)
+            except InvalidRequest:
+                self.scheduler.finish(seq, "error")
+                raise
+
+    def check_adapter(self, name: str, path: str) -> dict:
+        """Load (if no slot holds it) and verify an adapter without a request: what an operator's
+        registration runs first. Raises InvalidRequest naming why it cannot be served."""
+        if self.adapter_slots is None:
+            raise InvalidRequest("LoRA is not enabled on this server (lora: unset)")
+        start = time.perf_counter()
+        seq = new_sequence([0], SamplingParams(max_tokens=1), adapter=(name, path))
+        if not self._grant_adapter(seq):
+            raise InvalidRequest(f"adapter {name!r}: every one of the {self.adapter_slots.max_loras} slots "
+                                 "is in use by running requests; try again")  # fmt: skip
+        self._release_adapter(seq)
+        return {"name": name, "slot": self.adapter_slots.slot_of((name, path)), "seconds": time.perf_counter() - start}
+
+    def _grant_adapter(self, seq: Sequence) -> bool:
+        """Pin a slot holding seq's adapter (loading it into the least recently used idle slot if
+        none does); False when every slot is pinned by other adapters' requests."""
+        if seq.adapter_slot:
+            return True
+        grant = self.adapter_slots.acquire(seq.adapter)
+        if grant is None:
+            return False
+        if grant.load:
+            try:
+                self._load_adapter(grant.slot, seq.adapter)
+            except AdapterError as e:
+                self.adapter_slots.release(grant.slot)
+                self.adapter_slots.drop(seq.adapter)
+                self.stats.record_adapter_load("refused", 0.0)
+                raise InvalidRequest(f"adapter {seq.adapter[0]!r} cannot be served: {e}") from e
+        seq.adapter_slot = grant.slot
+        return True
+
+    def _load_adapter(self, slot: int, key: AdapterKey) -> None:
+        """Copy an adapter into a slot (every rank), then verify it: a probe step with it must
+        replay what eager computes. Nothing is captured again: the graphs read the slots."""
+        name, path = key
+        lora = self.model.lora
+        adapter = load_adapter(path, name, self.model.cfg, lora.max_rank)
+        lora.check(adapter)  # before the followers are told: they must not fail where rank 0 refuses
+        others = sorted(s for s in self.adapter_slots.holder if s != slot)
+        start = time.perf_counter()
+        if self.channel is not None:
+            self.channel.send(LORA_LOAD, slot, [len(others), *others, *path.encode()])
+        lora.load(slot, adapter)
+        loaded = time.perf_counter() - start
+        why = self.runners.lora.check_adapter(slot, others)
+        if why is not None:
+            raise AdapterError(f"verification: a probe step with it did not replay what eager computes: {why}")
+        self.stats.record_adapter_load("loaded", loaded)
+
+    def forget_adapters(self) -> None:
+        """Empty every adapter slot's entry (with no requests running): the next request for each
+        adapter loads and verifies it again."""
+        if self.adapter_slots is not None:
+            self.adapter_slots = AdapterSlots(self.adapter_slots.max_loras)
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter_slot:
+            self.adapter_slots.release(seq.adapter_slot)
+            seq.adapter_slot = 0
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """Admission's hook: a request waits while its adapter has no slot; one whose adapter
+        fails to load now ends with that error."""
+        if seq.adapter is None:
+            return True
+        try:
+            return self._grant_adapter(seq)
+        except InvalidRequest as e:
+            self.scheduler.finish(seq, "error")
+            self._refused.append(TokenEvent(seq.request_id, [], "error", e))
+            return False
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request from outside the step loop: `abort` (its client left) or `stop` (a stop
@@ -252,6 +376,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, reason)
+        self._release_adapter(seq)
         self.stats.record_finish(reason, None, None)
         return True
 
@@ -261,7 +386,10 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
         events: dict[str, TokenEvent] = {}
-        admitted = self.scheduler.admit()
+        admitted = self.scheduler.admit(self._admissible if self.adapter_slots else lambda seq: True)
+        for refused in self._refused:
+            events[refused.request_id] = refused
+        self._refused.clear()
         if admitted:
             start = time.perf_counter()
             self._prefill(admitted, events)
@@ -278,7 +406,7 @@ class LLMEngine:
     def _prefill(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
         batch = PrefillInputs.of(seqs, self.scheduler.take_edits())
         self._send(PREFILL, batch)
-        logits = self.runner.prefill(batch)
+        logits = self.runners.of(batch).prefill(batch)
         self._accept(seqs, logits, events)
         self.stats.record_prefill(len(seqs), len(batch.tokens))
 
@@ -303,7 +431,7 @@ class LLMEngine:
             # A rollout compares its cohort's calls with the holdback's; tenant-disabled rows are neither.
             cohort = "holdback" if FallbackReason.ROLLOUT_HOLDBACK in denied else None
             with timer.call(cohort, len(rows)):
-                logits[rows] = self.runner.eager(batch).float()
+                logits[rows] = self.runners.of(batch).eager(batch).float()
             for reason, group in denied.items():
                 self.stats.record_step("eager", "none", reason.value, len(group), 0)
         self._accept(seqs, logits, events)
@@ -314,9 +442,11 @@ class LLMEngine:
     def _decode_rows(self, seqs: list[Sequence], pages: list[int]) -> torch.Tensor:
         batch = DecodeInputs.of(seqs, pages)
         self._send(DECODE, batch)
-        logits, d = self.runner.decode(batch)
+        runner = self.runners.of(batch)
+        logits, d = runner.decode(batch)
         reason = d.reason.value if d.reason else "none"
-        self.stats.record_step(d.mode.value, d.bucket_id, reason, len(seqs), (d.bucket or len(seqs)) - len(seqs))
+        padding = (d.bucket or len(seqs)) - len(seqs)
+        self.stats.record_step(d.mode.value, runner.bucket_id(d.bucket), reason, len(seqs), padding)
         return logits
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, events: dict[str, TokenEvent]) -> None:
@@ -325,6 +455,8 @@ class LLMEngine:
             logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs]
         ).tolist()
         now = time.monotonic()
+        if self.adapter_slots is not None:
+            self.stats.record_adapter_tokens(Counter(s.adapter[0] for s in seqs if s.adapter is not None))
         for seq, token in zip(seqs, drawn):
             p = seq.params
             event = events.setdefault(seq.request_id, TokenEvent(seq.request_id, []))
@@ -340,6 +472,7 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence, reason: str, event: TokenEvent) -> None:
         self.scheduler.finish(seq, reason)
+        self._release_adapter(seq)
         event.finish_reason = reason
         ttft = tpot = None
         if seq.first_token_time is not None:

@@ -51,9 +51,9 @@ def run_gate(engine: LLMEngine, tokenizer, prompts_file: str | None) -> dict:
     start = time.perf_counter()
     prompts = golden_prompts(engine.model.cfg.vocab_size)
     _eager_probe(engine, prompts)
-    failed = engine.runner.check_buckets()
+    failed = {r.bucket_id(b): d for r in engine.runners.all for b, d in r.check_buckets().items()}
     if failed:
-        raise GateFailed("graphs disagree with eager: " + "; ".join(f"decode_bs_{b}: {d}" for b, d in failed.items()))
+        raise GateFailed("graphs disagree with eager: " + "; ".join(f"{b}: {d}" for b, d in failed.items()))
     graphs = _greedy(engine, prompts, GOLDEN_TOKENS, None)
     eager = _greedy(engine, prompts, GOLDEN_TOKENS, FallbackReason.DISABLED)
     for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
@@ -136,6 +136,7 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
         engine.config, engine.revision = config, config.model_revision or model_revision(model_dir)
         engine.eos_token_ids = set(eos_ids(load_config(model_dir), tokenizer))
         report = run_gate(engine, tokenizer, config.gate_prompts_file)
+        engine.forget_adapters()  # verified against the old weights: each loads and verifies again on use
     except BaseException:
         with torch.no_grad():
             for (_, p, data), saved in zip(params, backup, strict=True):

@@ -17,6 +17,7 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
@@ -41,7 +42,8 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: str | None = None
     graph_denial: FallbackReason | None = None
-    adapter_slot: int = 0  # the LoRA slot its rows read; 0: none
+    adapter: tuple[str, str] | None = None  # the LoRA adapter it asked for: (name, path)
+    adapter_slot: int = 0  # the LoRA slot its rows read; 0: none (or not granted yet)
 
     @property
     def length(self) -> int:
@@ -58,11 +60,13 @@ def new_sequence(
     params: SamplingParams,
     request_id: str | None = None,
     graph_denial: FallbackReason | None = None,
+    adapter: tuple[str, str] | None = None,
 ) -> Sequence:
     """A request's state; unseeded requests get a random seed of their own here. A request with a
     graph_denial (its tenant's reason) is never decoded by a graph replay."""
     seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
-    return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, graph_denial=graph_denial)
+    return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, graph_denial=graph_denial,
+                    adapter=adapter)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -121,11 +125,12 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_waiting={self.max_waiting})")
         self.waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
+    def admit(self, ready: Callable[[Sequence], bool] = lambda seq: True) -> list[Sequence]:
         """Move waiting sequences into free slots, first come first served, within the step's
         prompt-token budget (the first admission always fits so a long prompt cannot starve) and
         while the pool has pages for them and for what the running batch needs this step: a
-        sequence's tokens so far plus the one its first decode writes."""
+        sequence's tokens so far plus the one its first decode writes. `ready(seq)` may hold the
+        queue's head back (its LoRA adapter has no slot yet) or end it (`finish`) before it runs."""
         admitted: list[Sequence] = []
         if not self.waiting or not self.free_slots:
             return admitted  # the common step: nothing to admit, so no pass over the running batch
@@ -137,6 +142,10 @@ class Scheduler:
                 break
             if self.blocks.pages_for(min(seq.length + 1, self.max_model_len)) + reserve > self.blocks.num_free:
                 break
+            if not ready(seq):
+                if self.waiting and self.waiting[0] is seq:
+                    break
+                continue
             self.waiting.popleft()
             budget -= seq.length
             seq.slot = self.free_slots.pop()

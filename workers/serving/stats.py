@@ -78,6 +78,9 @@ class EngineStats:
         self.ttft_s: deque[float] = deque(maxlen=window)
         self.tpot_s: deque[float] = deque(maxlen=window)
         self.cohort_calls: dict[tuple[str, int], list[float]] = {}  # (cohort, rows) -> [calls, seconds]
+        self.adapter_loads: Counter[str] = Counter()  # "loaded" | "refused" -> adapter loads
+        self.adapter_load_s = 0.0  # seconds copying adapters into slots, all loads
+        self.adapter_tokens: Counter[str] = Counter()  # adapter name -> tokens generated with it
 
     def record_prefill(self, num_prompts: int, num_tokens: int) -> None:
         with self._lock:
@@ -102,6 +105,15 @@ class EngineStats:
             counts[0] += 1
             counts[1] += rows
             counts[2] += padding
+
+    def record_adapter_load(self, result: str, seconds: float) -> None:
+        with self._lock:
+            self.adapter_loads[result] += 1
+            self.adapter_load_s += seconds
+
+    def record_adapter_tokens(self, tokens: Counter[str]) -> None:
+        with self._lock:
+            self.adapter_tokens.update(tokens)
 
     def record_cohort_call(self, cohort: str, rows: int, seconds: float) -> None:
         """One decode model call of a rollout cohort ("graph": rows allowed graphs; "holdback": rows
@@ -181,4 +193,6 @@ class EngineStats:
                 "ttft_s": _summary(self.ttft_s),
                 "tpot_s": _summary(self.tpot_s),
                 "cohorts": self.cohorts(),
-            }
+                "lora": {"loads": dict(self.adapter_loads), "load_s": self.adapter_load_s,
+                         "generated_tokens": dict(self.adapter_tokens)},
+            }  # fmt: skip

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from workers.modeling.lora import LinearLora, LoraBatch
 
 # Reads a slice of one checkpoint tensor: (dim, start, stop) -> tensor; dim None reads it whole.
 SliceReader = Callable[[int | None, int, int], torch.Tensor]
@@ -89,9 +92,12 @@ class ColumnParallelLinear(nn.Module):
         self.part_offsets = [sum(local[:i]) for i in range(len(local))]
         self.weight = nn.Parameter(torch.zeros(sum(local), in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.zeros(sum(local), dtype=dtype, device=device), False) if bias else None
+        self.adapter: LinearLora | None = None  # LoRA slots, when enabled and this layer is adapted
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if lora is not None and self.adapter is not None:
+            y = self.adapter.add(y, x, lora)
         return self.tp.all_gather_last_dim(y) if self.gather_output else y
 
     def load(self, name: str, part: int, read: SliceReader) -> None:
@@ -121,10 +127,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device), False)
         # The bias is added once, on rank 0, so the all-reduce does not multiply it.
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+        self.adapter: LinearLora | None = None  # LoRA slots, when enabled and this layer is adapted
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The adapters' partial delta joins this rank's partial output before the one all-reduce."""
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        y = F.linear(x, self.weight, bias)
+        if lora is not None and self.adapter is not None:
+            y = self.adapter.add(y, x, lora)
+        return self.tp.all_reduce(y)
 
     def load(self, name: str, part: int, read: SliceReader) -> None:
         if name == "weight":

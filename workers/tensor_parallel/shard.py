@@ -15,23 +15,31 @@ from collections.abc import AsyncIterator
 import torch
 
 from policies.dispatch import FallbackReason
-from workers.graphs.graph_runner import GraphRunner
+from workers.graphs.graph_runner import StepRunners
 from workers.modeling.model import LlamaModel
 from workers.serving.async_engine import AsyncEngine, StreamEvent
-from workers.serving.engine import EngineConfig, EngineStatus, LLMEngine, load_for_engine, prepare_model, resolve_device
+from workers.serving.engine import (
+    EngineConfig,
+    EngineStatus,
+    LLMEngine,
+    load_for_engine,
+    make_runners,
+    prepare_model,
+    resolve_device,
+)  # fmt: skip
 from workers.serving.sampling import SamplingParams
 from workers.tensor_parallel.tp import StepChannel, follow, init_tp_group
 
 log = logging.getLogger(__name__)
 
 
-def prepare_follower(model: LlamaModel, config: EngineConfig) -> GraphRunner:
-    """What a rank > 0 does before following rank 0: its cache, then the same warm-up, capture,
-    verification and agreement as rank 0's engine, so both meet the same collectives in order."""
-    cache = prepare_model(model, config)
-    runner = GraphRunner(model, cache, config.graph_policy)
-    runner.prepare()
-    return runner
+def prepare_follower(model: LlamaModel, config: EngineConfig) -> StepRunners:
+    """What a rank > 0 does before following rank 0: its cache (and LoRA slots), then the same
+    warm-up, capture, verification and agreement as rank 0's engine, so both meet the same
+    collectives in order."""
+    runners = make_runners(model, prepare_model(model, config), config.graph_policy)
+    runners.prepare()
+    return runners
 
 
 class ShardWorker:
@@ -49,9 +57,9 @@ class ShardWorker:
         if rank == 0:
             engine = LLMEngine(model, config, eos, revision, channel=self.channel)
             self.engine = AsyncEngine(engine, self.tokenizer, heartbeat_s=timeout_s / 4).start()
-            self.runner = engine.runner
+            self.runners = engine.runners
         else:
-            self.runner = prepare_follower(model, config)
+            self.runners = prepare_follower(model, config)
             self._thread = threading.Thread(target=self._follow, daemon=True)
             self._thread.start()
         self.captured_at = time.time()
@@ -59,11 +67,12 @@ class ShardWorker:
     def shard_status(self) -> dict:
         """This rank's own capture: every rank captures (and replays) its own graphs, each with its
         all-reduces inside, so operators see each rank's buckets, not only rank 0's."""
-        return {"rank": self.rank, "captured_at": self.captured_at, "buckets": self.runner.report()}
+        buckets = {k: v for runner in self.runners.all for k, v in runner.report().items()}
+        return {"rank": self.rank, "captured_at": self.captured_at, "buckets": buckets}
 
     def _follow(self) -> None:
         try:
-            follow(self.channel, self.runner)
+            follow(self.channel, self.runners)
         except BaseException as e:  # a timed-out or broken collective ends this rank
             log.exception("tensor-parallel rank %d stopped following rank 0", self.rank)
             self.error = e

@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from workers.modeling.lora import load_adapter
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
+
+if TYPE_CHECKING:
+    from workers.graphs.graph_runner import StepRunners
 from workers.tensor_parallel.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
-NOOP, PREFILL, DECODE, EAGER, STOP = range(5)
+NOOP, PREFILL, DECODE, EAGER, STOP, LORA_LOAD = range(6)
 HEADER = 4  # op, rows, payload length, spare
 CAPACITY = 1024  # payload ints sent with the header: a decode step of up to 341 rows fits
 
@@ -79,7 +84,15 @@ class StepChannel:
         return op, rows, values
 
 
-def follow(channel: StepChannel, runner) -> None:
+def load_adapter_shard(runners: StepRunners, slot: int, others: list[int], path: str) -> None:
+    """A follower's part of rank 0's adapter load: its shard of the adapter into the same slot, then
+    the same verification on the same probe (whose replays and all-reduce pair with rank 0's)."""
+    model = runners.lora.model
+    model.lora.load(slot, load_adapter(path, path, model.cfg, model.lora.max_rank))
+    runners.lora.check_adapter(slot, others)
+
+
+def follow(channel: StepChannel, runners: StepRunners) -> None:
     """A follower rank's loop: repeat rank 0's model calls until STOP (or a collective times out)."""
     with torch.inference_mode():
         while True:
@@ -88,7 +101,13 @@ def follow(channel: StepChannel, runner) -> None:
                 return
             if op == NOOP:
                 continue
-            if op == PREFILL:
-                runner.prefill(PrefillInputs.from_ints(rows, values))
+            if op == LORA_LOAD:  # rows: the slot; values: the other loaded slots' count, them, the path
+                others = values[1 : 1 + values[0]]
+                load_adapter_shard(runners, rows, others, bytes(values[1 + values[0] :]).decode())
+            elif op == PREFILL:
+                batch = PrefillInputs.from_ints(rows, values)
+                runners.of(batch).prefill(batch)
             else:
-                (runner.decode if op == DECODE else runner.eager)(DecodeInputs.from_ints(rows, values))
+                batch = DecodeInputs.from_ints(rows, values)
+                runner = runners.of(batch)
+                (runner.decode if op == DECODE else runner.eager)(batch)

@@ -1,0 +1,207 @@
+"""The engine with LoRA slots (CPU, the tiny default model, adapters made by peft): requests name an
+adapter; a batch mixing adapters and none equals each request alone; slots are granted, reused and
+evicted least recently used, never from a running request; adapters are verified when loaded (a
+graph that mixes up adapter rows refuses them) and loading captures nothing again; what cannot be
+served is refused naming the field while the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import workers.serving.engine
+from policies.graph_policy import GraphPolicy
+from tests.lora_adapters import adapter_for
+from tests.unit.engine_fixtures import Tiny, load_tiny
+from tests.unit.graph_faults import EagerGraphRunner
+from workers.modeling.checkpoint import load_model
+from workers.modeling.lora import LoraLimits
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import InvalidRequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[256, 5, 17, 42], [256, 9], [256, 33, 2, 7, 11, 90], [256, 61, 3]]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    options = {
+        "all": dict(r=4, lora_alpha=16, target_modules="all-linear"),
+        "attn": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
+        "mlp": dict(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    }
+    return {name: str(adapter_for(tiny.model_dir, root / name, seed=i + 1, **o)) for i, (name, o) in
+            enumerate(options.items())}  # fmt: skip
+
+
+def lora_engine(tiny: Tiny, max_loras: int = 3, max_num_seqs: int = 4, **config) -> LLMEngine:
+    """An engine over its own copy of the tiny model (LoRA slots change the model)."""
+    model = load_model(tiny.model_dir, tiny.max_model_len)
+    limits = LoraLimits(max_loras=max_loras, max_lora_rank=8, **config.pop("limits", {}))
+    cfg = EngineConfig(max_model_len=tiny.max_model_len, device="cpu", max_num_seqs=max_num_seqs, lora=limits,
+                       **config)  # fmt: skip
+    return LLMEngine(model, cfg, tiny.eos_token_ids)
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], str | None]], adapters: dict[str, str]) -> list[list[int]]:
+    seqs = [engine.add_request(p, GREEDY, adapter=(a, adapters[a]) if a else None) for p, a in requests]
+    while engine.has_work():
+        engine.step()
+    return [s.output_ids for s in seqs]
+
+
+def test_a_batch_mixing_adapters_and_none_equals_each_request_alone(tiny, adapters):
+    requests = list(zip(PROMPTS, ["all", None, "attn", "all"], strict=True))
+    together = run(lora_engine(tiny), requests, adapters)
+    alone = [run(lora_engine(tiny, max_num_seqs=1), [r], adapters)[0] for r in requests]
+    assert together == alone
+    base = run(lora_engine(tiny), [(p, None) for p in PROMPTS], adapters)
+    assert together[1] == base[1]
+    assert together[0] != base[0] and together[2] != base[2]  # the adapters change the tokens
+
+
+def test_slots_are_reused_and_evicted_least_recently_used_never_while_in_use(tiny, adapters):
+    engine = lora_engine(tiny, max_loras=1)
+    first = engine.add_request(PROMPTS[0], GREEDY, adapter=("all", adapters["all"]))
+    second = engine.add_request(PROMPTS[1], GREEDY, adapter=("attn", adapters["attn"]))
+    assert first.adapter_slot == 1 and second.adapter_slot == 0  # one slot, pinned by the first
+    engine.step()
+    assert list(engine.scheduler.running) == [first.request_id]  # the second waits for the slot
+    while engine.has_work():
+        engine.step()
+    assert second.adapter_slot == 0 and len(second.output_ids) == GREEDY.max_tokens
+    assert engine.stats.adapter_loads == {"loaded": 2}
+    assert engine.status().lora["adapters"] == {"attn": {"slot": 1, "requests": 0}}
+    assert [first.output_ids, second.output_ids] == [
+        run(lora_engine(tiny, max_num_seqs=1), [(PROMPTS[i], a)], adapters)[0] for i, a in ((0, "all"), (1, "attn"))
+    ]
+    again = engine.add_request(PROMPTS[1], GREEDY, adapter=("attn", adapters["attn"]))
+    assert again.adapter_slot == 1 and engine.stats.adapter_loads == {"loaded": 2}  # still loaded: no copy
+
+
+def adapter_rows_rolled(model):
+    """A LoRA graph whose rows read the previous row's adapter slot (plain rows unaffected)."""
+
+    def step(tokens, positions, slots, cache, adapters=None):
+        return model.decode(tokens, positions, slots, cache, None if adapters is None else adapters.roll(1))
+
+    return step
+
+
+def test_lora_graphs_that_mix_up_adapter_rows_fail_startup_verification(tiny, adapters, monkeypatch):
+    """Startup verification fills every slot with random adapters: a LoRA bucket whose rows read
+    their neighbour's slot is withdrawn, the plain bucket of that size replays on."""
+
+    def runner(model, cache, policy, lora=False):
+        return EagerGraphRunner(model, cache, policy, {4: adapter_rows_rolled(model)} if lora else {}, lora=lora)
+
+    monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
+    engine = lora_engine(tiny, graph_policy=GraphPolicy(decode_batch_buckets=(1, 2, 4)))
+    assert engine.runners.lora.table.ready == {1, 2} and engine.runner.table.ready == {1, 2, 4}
+    assert engine.status().buckets["lora_decode_bs_4"]["fallback_reason"] == "verify_mismatch"
+    assert not any(lin.a.any() or lin.b.any() for lin in engine.model.lora.linears.values())  # emptied again
+    requests = list(zip(PROMPTS, ["all", None, "attn", "mlp"], strict=True))
+    assert run(engine, requests, adapters) == run(lora_engine(tiny), requests, adapters)
+
+
+def test_an_adapter_whose_probe_replay_differs_is_refused_and_loading_captures_nothing(tiny, adapters, monkeypatch):
+    captures = []
+
+    def runner(model, cache, policy, lora=False):
+        made = EagerGraphRunner(model, cache, policy, lora=lora)
+        original = made._capture_bucket
+        made._capture_bucket = lambda bucket: captures.append((lora, bucket)) or original(bucket)
+        return made
+
+    monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
+    engine = lora_engine(tiny, graph_policy=GraphPolicy(decode_batch_buckets=(1, 2, 4)))
+    assert sorted(captures) == [(False, 1), (False, 2), (False, 4), (True, 1), (True, 2), (True, 4)]
+    assert run(engine, [(PROMPTS[0], "all")], adapters)  # loads and verifies "all", captures nothing
+    lora, rolled = engine.runners.lora, adapter_rows_rolled(engine.model)
+    for bucket in (1, 2, 4):  # every LoRA graph breaks after startup
+        lora._replays[bucket] = lambda views=lora._views(bucket): rolled(*views[:3], lora.cache, views[3])
+    with pytest.raises(InvalidRequest, match="adapter 'attn' cannot be served: verification"):
+        engine.add_request(PROMPTS[0], GREEDY, adapter=("attn", adapters["attn"]))
+    assert engine.stats.adapter_loads == {"loaded": 1, "refused": 1}
+    assert set(engine.status().lora["adapters"]) == {"all"} and not engine.has_work()
+    assert len(captures) == 6  # no recapture on load
+    plain = run(engine, [(p, None) for p in PROMPTS], adapters)  # the engine serves on
+    assert plain == run(lora_engine(tiny), [(p, None) for p in PROMPTS], adapters)
+
+
+def test_graph_replays_with_adapters_equal_eager(tiny, adapters, monkeypatch):
+    """With stand-in graphs (the real capture bookkeeping, dispatch and static inputs), rows with
+    adapters replay the LoRA runner's buckets and decode what an eager engine decodes."""
+
+    def runner(model, cache, policy, lora=False):
+        return EagerGraphRunner(model, cache, policy, lora=lora)
+
+    monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
+    requests = list(zip(PROMPTS[:3], ["all", None, "mlp"], strict=True))
+    graphs = lora_engine(tiny, graph_policy=GraphPolicy(decode_batch_buckets=(1, 2, 4)))
+    got = run(graphs, requests, adapters)
+    monkeypatch.undo()
+    assert got == run(lora_engine(tiny), requests, adapters)
+    buckets = {p["bucket_id"] for p in graphs.stats.snapshot()["decode_step_parts"] if p["execution_mode"] != "eager"}
+    assert "lora_decode_bs_4" in buckets
+    assert graphs.runners.lora.replayed[4] > 0 and graphs.stats.adapter_tokens == {"all": 12, "mlp": 12}
+
+
+def broken(adapters: dict[str, str], tmp_path, change) -> str:
+    path = tmp_path / "broken"
+    path.mkdir()
+    config = json.loads((open(f"{adapters['all']}/adapter_config.json")).read())
+    weights = load_file(f"{adapters['all']}/adapter_model.safetensors")
+    config, weights = change(config, weights)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    save_file(weights, path / "adapter_model.safetensors")
+    return str(path)
+
+
+def _nan(config, weights):
+    key = next(iter(weights))
+    weights[key][0, 0] = float("nan")
+    return config, weights
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (lambda c, w: ({**c, "r": 16}, w), "r: rank 16 is above max_lora_rank 8"),
+    (lambda c, w: ({**c, "use_dora": True}, w), "use_dora"),
+    (_nan, "NaN or inf"),
+])  # fmt: skip
+def test_what_cannot_be_served_is_refused_naming_why_and_the_engine_serves_on(tiny, adapters, tmp_path, change, field):
+    engine = lora_engine(tiny)
+    with pytest.raises(InvalidRequest, match=field):
+        engine.add_request(PROMPTS[0], GREEDY, adapter=("bad", broken(adapters, tmp_path, change)))
+    assert not engine.has_work() and engine.status().lora["adapters"] == {}
+    assert run(engine, [(PROMPTS[0], "all")], adapters)[0] == run(lora_engine(tiny), [(PROMPTS[0], "all")], adapters)[0]
+
+
+def test_a_target_outside_the_slots_and_lora_off_are_refused(tiny, adapters):
+    engine = lora_engine(tiny, limits={"target_modules": ("q_proj", "v_proj")})
+    with pytest.raises(InvalidRequest, match=r"target_modules: \['down_proj', 'gate_proj'"):
+        engine.add_request(PROMPTS[0], GREEDY, adapter=("all", adapters["all"]))
+    assert run(engine, [(PROMPTS[0], "attn")], adapters)  # what fits the slots serves
+    off = LLMEngine(load_model(tiny.model_dir, tiny.max_model_len),
+                    EngineConfig(max_model_len=tiny.max_model_len, device="cpu"), tiny.eos_token_ids)  # fmt: skip
+    with pytest.raises(InvalidRequest, match="LoRA is not enabled"):
+        off.add_request(PROMPTS[0], GREEDY, adapter=("all", adapters["all"]))
+    assert off.status().lora is None and off.model.lora is None and off.runners.lora is None
+
+
+def test_check_adapter_loads_and_verifies_without_a_request(tiny, adapters):
+    engine = lora_engine(tiny)
+    report = engine.check_adapter("mlp", adapters["mlp"])
+    assert report["slot"] == 1 and report["seconds"] > 0
+    assert engine.status().lora["adapters"] == {"mlp": {"slot": 1, "requests": 0}}
+    assert engine.status().memory_mb["lora"] > 0
+    with pytest.raises(InvalidRequest, match="no adapter_config.json"):
+        engine.check_adapter("missing", "/nonexistent/adapter")
