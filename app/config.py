@@ -15,11 +15,31 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from policies.graph_policy import GraphPolicy, load_policy
+from policies.lora_slots import LORA_TARGETS
 
 
 class TenantConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     cuda_graph: bool = True  # the tenant's graph permission until an operator changes it
+
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class LoraConfig(BaseModel):
+    """LoRA slots, allocated once at start: up to max_loras adapters at a time per replica, of rank
+    up to max_lora_rank, on the layers target_modules names. An adapter that needs more is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_loras: int = Field(8, ge=1, le=64)
+    max_lora_rank: int = Field(64, ge=1, le=512)
+    target_modules: list[Literal[LORA_TARGETS]] = list(LORA_TARGETS)
+
+
+def check_adapter_name(name: str) -> str:
+    if not ADAPTER_NAME.fullmatch(name):
+        raise ValueError(f"adapter name {name!r}: 1-64 letters, digits and ._-, starting with a letter or digit")
+    return name
 
 
 class AutoscalingConfig(BaseModel):
@@ -93,6 +113,8 @@ class AppConfig(BaseModel):
     # replicas read the policy from it when they start, in place of `cuda_graph_policy`.
     cuda_graph_policy_file: str | None = None
     tenants: dict[str, TenantConfig] = {}
+    lora: LoraConfig | None = None  # LoRA adapter slots; absent: LoRA off, and no cost
+    lora_modules: dict[str, str] = {}  # adapters served from the start: {name: PEFT adapter directory}
     autoscaling: AutoscalingConfig = AutoscalingConfig()
     accelerator: Literal["auto", "gpu", "cpu"] = "auto"  # auto: gpu when the Ray cluster has GPUs
     replica_num_cpus: float = Field(1.0, gt=0)
@@ -106,6 +128,14 @@ class AppConfig(BaseModel):
     controller_state_path: str = str(Path.home() / ".cache" / "graphserve" / "controller-state.json")
     toggle_poll_s: float = Field(0.5, gt=0)
     startup_delay_s: float = Field(0.0, ge=0)  # testing aid: a replica that takes this long to capture
+
+    @model_validator(mode="after")
+    def _lora_modules_need_slots(self) -> AppConfig:
+        for name in self.lora_modules:
+            check_adapter_name(name)
+        if self.lora_modules and self.lora is None:
+            raise ValueError("lora_modules needs lora: {max_loras, max_lora_rank} to allocate adapter slots")
+        return self
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:

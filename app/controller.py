@@ -71,7 +71,7 @@ class _State(BaseModel):
     serving_model: dict[str, Any] | None = None  # what a replica starting now loads: the last swap's target
 
 
-PERSISTED = ("toggles", "rollout", "rollouts_started", "swap", "swaps_started", "serving_model")
+PERSISTED = ("toggles", "rollout", "rollouts_started", "swap", "swaps_started", "serving_model", "lora_adapters")
 
 
 class StateWriteError(RuntimeError):
@@ -184,6 +184,7 @@ class GraphController:
         self.swap: Swap | None = None
         self.swaps_started = 0
         self.serving_model: dict | None = None
+        self.lora_adapters: dict[str, dict] = {}  # registered through the admin API: name -> path, by, at
         self._loop: asyncio.Task | None = None
         state = _read_state(self.path)
         if state is not None:
@@ -195,6 +196,7 @@ class GraphController:
             self.swap = Swap.model_validate(state["swap"]) if state.get("swap") else None
             self.swaps_started = state.get("swaps_started", 0)
             self.serving_model = state.get("serving_model")
+            self.lora_adapters = state.get("lora_adapters", {})
 
     def get_toggles(self, known_version: int = -1) -> tuple[int, dict[str, bool] | None]:
         """(version, toggles); toggles is None when the caller already has this version."""
@@ -223,7 +225,7 @@ class GraphController:
         return None if self.rollout is None else self.rollout.cohort_rule().model_dump()
 
     def tenant(self, tenant: str) -> dict:
-        last = next((a for a in reversed(self.audit) if a["tenant"] == tenant), None)
+        last = next((a for a in reversed(self.audit) if a.get("tenant") == tenant), None)
         return {
             "tenant": tenant,
             "cuda_graph": self.toggles.get(tenant, True),
@@ -248,6 +250,39 @@ class GraphController:
             log.error("%s; toggle of %s not changed", e, tenant)
             return {"error": f"the toggle was not changed: {e}"}
         return self.tenant(tenant)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def get_lora_adapters(self) -> dict[str, dict]:
+        return dict(self.lora_adapters)
+
+    def add_lora_adapter(self, name: str, path: str, actor: str) -> dict:
+        """Register an adapter (the ingress has had a replica load and verify it). Registering a
+        name again with the same path changes nothing; with another path it replaces the entry
+        (replicas load the new one on its next request)."""
+        before = self.lora_adapters.get(name)
+        if before is not None and before["path"] == path:
+            return {"name": name, **before}
+        entry = {"path": path, "added_by": actor, "added_at": time.time()}
+        audit = {"time": entry["added_at"], "actor": actor, "action": "add_lora_adapter", "adapter": name,
+                 "path": path, "before": before and before["path"]}  # fmt: skip
+        try:
+            self._commit([audit], lora_adapters={**self.lora_adapters, name: entry})
+        except StateWriteError as e:
+            return {"error": f"the adapter was not registered: {e}"}
+        return {"name": name, **entry}
+
+    def remove_lora_adapter(self, name: str, actor: str) -> dict:
+        entry = self.lora_adapters.get(name)
+        if entry is None:
+            return {"error": f"no adapter {name!r} was registered through the admin API", "status": 404}
+        audit = {"time": time.time(), "actor": actor, "action": "remove_lora_adapter", "adapter": name,
+                 "path": entry["path"]}  # fmt: skip
+        try:
+            self._commit([audit], lora_adapters={k: v for k, v in self.lora_adapters.items() if k != name})
+        except StateWriteError as e:
+            return {"error": f"the adapter was not removed: {e}", "status": 409}
+        return {"name": name, "removed": True}
 
     def _commit(self, entries: list[dict], **changes: Any) -> None:
         """Persist the state with these changes (attributes named in PERSISTED) and one version

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 from pydantic_core import from_json
 from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app import auth
-from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env
+from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
 from app.controller import ControllerClient, ControllerUnavailable
 from app.metrics import render
 from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_body, error_response
@@ -136,10 +136,22 @@ async def _chain_items(first: dict, items) -> AsyncIterator[dict]:
         items.cancel()
 
 
+class AdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+    path: StrictStr = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        return check_adapter_name(name)
+
+
 @serve.ingress(api)
 class Ingress:
     def __init__(self, llm, args: dict) -> None:
         self.config = AppConfig.from_args(args)
+        self.replicas = llm  # unary calls (adapter checks)
         self.llm = llm.options(stream=True)
         self.keys = api_keys_from_env(self.config)
         self.admin_tokens = admin_tokens_from_env(self.config)
@@ -151,6 +163,25 @@ class Ingress:
             set(self.config.tenants) | set(self.keys.values()) | ({auth.OPEN_TENANT} if not self.keys else set())
         )
         self.readiness = ReadinessView(lambda: self.controller.call("replica_statuses"))
+        if self.model_name in self.config.lora_modules:
+            raise ValueError(f"lora_modules: adapter {self.model_name!r} has the served model's name")
+        self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
+        self._registered_at = -math.inf
+
+    async def _adapters(self) -> dict[str, str]:
+        """Every adapter served, name -> path: the config's lora_modules and those registered
+        through the admin API (read from the controller at most every toggle_poll_s; the last
+        answer stands while it does not answer)."""
+        if self.config.lora is None:
+            return {}
+        now = asyncio.get_running_loop().time()
+        if now - self._registered_at > self.config.toggle_poll_s:
+            try:
+                self._registered = await self.controller.call("get_lora_adapters")
+                self._registered_at = now
+            except ControllerUnavailable:
+                log.warning("the controller did not answer; serving the adapters it last listed")
+        return {**{n: e["path"] for n, e in self._registered.items()}, **self.config.lora_modules}
 
     # -- OpenAI API --------------------------------------------------------------------------------
 
@@ -159,7 +190,9 @@ class Ingress:
         if auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys) is None:
             return error_response(401, "invalid or missing API key")
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "graphserve"}
-        return JSONResponse({"object": "list", "data": [{**card, **await self._serving()}]})
+        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "graphserve", "root": path,
+                     "parent": self.model_name} for name, path in sorted((await self._adapters()).items())]  # fmt: skip
+        return JSONResponse({"object": "list", "data": [{**card, **await self._serving()}, *adapters]})
 
     async def _serving(self) -> dict:
         """What the READY replicas serve (it follows a model swap): checkpoint, revision(s) and
@@ -194,8 +227,13 @@ class Ingress:
             req = schema.model_validate(body)
         except ValidationError as e:
             return error_response(400, *_validation_message(e))
+        adapter = None
         if req.model != self.model_name:
-            return error_response(404, f"model {req.model!r} is not served here; try {self.model_name!r}", "model")
+            path = (await self._adapters()).get(req.model)
+            if path is None:
+                return error_response(404, f"model {req.model!r} is not served here; try {self.model_name!r} or "
+                                      "an adapter /v1/models lists", "model")  # fmt: skip
+            adapter = (req.model, path)
         if not await self.readiness.any_ready():
             return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
         chat = schema is ChatRequest
@@ -203,31 +241,35 @@ class Ingress:
             "tenant": tenant,
             "kind": "chat" if chat else "completion",
             "sampling": req.sampling(),
+            "adapter": adapter,
         }
         if chat:
             payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]
         else:
             payload["prompt"] = req.prompt
-        items, first = await self._first_item(payload)
+        items, first = await self._first_item(payload, adapter[0] if adapter else None)
         if first is None or "error" in first:
             items.cancel()
             first = first or _REPLICA_GONE
             return error_response(
                 first["status"], first["error"], headers=RETRY_AFTER if first["status"] == 503 else None
             )
-        shape = ResponseShape(chat, self.model_name)
+        shape = ResponseShape(chat, req.model)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream")
         return await self._collect(shape, first, items)
 
-    async def _first_item(self, payload: dict) -> tuple[object, dict | None]:
+    async def _first_item(self, payload: dict, adapter: str | None = None) -> tuple[object, dict | None]:
         """Send the request to a replica and wait for its first item. A replica that is swapping its
         model turns requests away: they are sent again (Serve picks a replica each time) until one
-        takes it, for at most swap_queue_timeout_s; then the swapping answer (a 503) stands."""
+        takes it, for at most swap_queue_timeout_s; then the swapping answer (a 503) stands. A
+        request for an adapter goes through Serve's model multiplexing, which prefers replicas that
+        have served it lately (so hold it in a slot)."""
         deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
+        llm = self.llm.options(multiplexed_model_id=adapter) if adapter else self.llm
         while True:
-            items = self.llm.generate.remote(payload)
+            items = llm.generate.remote(payload)
             try:
                 first = await anext(_items(items), None)
             except BaseException:  # the client went away before the first token: end the request there too
@@ -418,6 +460,76 @@ class Ingress:
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])
         return JSONResponse(finite(result))
+
+    @api.get("/admin/lora-adapters")
+    async def lora_adapters(self, request: Request) -> Response:
+        """Every adapter served (from the config or registered), and which replicas hold it in a slot."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        if self.config.lora is None:
+            return JSONResponse({"lora": None, "adapters": []})
+        paths = await self._adapters()
+        statuses = await self.controller.call("replica_statuses")
+        held: dict[str, dict] = {}
+        for rid, status in sorted(statuses.items()):
+            for name, slot in ((status.get("lora") or {}).get("adapters") or {}).items():
+                held.setdefault(name, {})[rid] = slot
+        adapters = [{"name": name, "path": path, "source": "config" if name in self.config.lora_modules else "admin",
+                     **{k: v for k, v in self._registered.get(name, {}).items() if k != "path"},
+                     "replicas": held.get(name, {})} for name, path in sorted(paths.items())]  # fmt: skip
+        return JSONResponse(finite({"lora": self.config.lora.model_dump(), "adapters": adapters}))
+
+    @api.post("/admin/lora-adapters")
+    async def add_lora_adapter(self, request: Request) -> Response:
+        """Register an adapter once a replica has loaded and verified it (201); 400 says why not."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        if self.config.lora is None:
+            return JSONResponse({"detail": "LoRA is not enabled: set lora: {max_loras, max_lora_rank} in the "
+                                 "config"}, status_code=400)  # fmt: skip
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return JSONResponse({"detail": 'request body must be a JSON object: {"name", "path"}'}, status_code=400)
+        try:
+            adapter = AdapterBody.model_validate(body)
+        except ValidationError as e:
+            message, field = _validation_message(e)
+            return JSONResponse({"detail": message, "field": field}, status_code=400)
+        if adapter.name == self.model_name:
+            return JSONResponse({"detail": f"name: {adapter.name!r} is the served model's name"}, status_code=400)
+        if adapter.name in self.config.lora_modules:
+            return JSONResponse({"detail": f"adapter {adapter.name!r} is defined in the config's lora_modules; "
+                                 "change it there"}, status_code=409)  # fmt: skip
+        replicas = self.replicas.options(multiplexed_model_id=adapter.name)
+        try:
+            check = await asyncio.wait_for(replicas.check_adapter.remote(adapter.name, adapter.path),
+                                           self.config.engine_start_timeout_s)  # fmt: skip
+        except TimeoutError:
+            return JSONResponse({"detail": "no replica checked the adapter in time; retry"}, status_code=503)
+        if "error" in check:
+            return JSONResponse({"detail": check["error"]}, status_code=check["status"])
+        result = await self.controller.call("add_lora_adapter", adapter.name, adapter.path, request.state.operator)
+        if "error" in result:
+            return JSONResponse({"detail": result["error"]}, status_code=409)
+        self._registered_at = -math.inf  # the next request reads the registry again
+        return JSONResponse({**result, "checked_by": check}, status_code=201)
+
+    @api.delete("/admin/lora-adapters/{name}")
+    async def remove_lora_adapter(self, name: str, request: Request) -> Response:
+        """Stop serving an adapter: new requests for it get 404; running ones finish with it."""
+        denied = self._admin_denied(request)
+        if denied:
+            return denied
+        if name in self.config.lora_modules:
+            return JSONResponse({"detail": f"adapter {name!r} is defined in the config's lora_modules; remove it "
+                                 "there"}, status_code=409)  # fmt: skip
+        result = await self.controller.call("remove_lora_adapter", name, request.state.operator)
+        if "error" in result:
+            return JSONResponse({"detail": result["error"]}, status_code=result["status"])
+        self._registered_at = -math.inf
+        return JSONResponse(result)
 
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:

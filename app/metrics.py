@@ -95,6 +95,7 @@ class _StatusCollector:
                                         labels=["replica"])  # fmt: skip
         shadow = CounterMetricFamily("graphserve_shadow_verifications", "Replayed steps recomputed eagerly and "
                                      "compared", labels=["result", "bucket_id", "replica"])  # fmt: skip
+        yield from self._lora()
         for replica, status in self.statuses.items():
             for check in status.get("stats", {}).get("shadow", {}).get("by_bucket", []):
                 shadow.add_metric([check["result"], check["bucket_id"], replica], check["count"])
@@ -122,6 +123,26 @@ class _StatusCollector:
         yield _histogram(
             "graphserve_tpot_seconds", "Time per output token", {r: v["tpot_s"] for r, v in with_requests.items()}
         )
+
+    def _lora(self):
+        """Adapters per replica. The `adapter` label takes only names an operator registered (a
+        request naming another is refused before it reaches a replica), so it stays bounded."""
+        slots = GaugeMetricFamily("graphserve_lora_adapters_loaded", "Adapters held in LoRA slots",
+                                  labels=["replica"])  # fmt: skip
+        loads = CounterMetricFamily("graphserve_lora_adapter_loads", "Adapters loaded into a slot, or refused",
+                                    labels=["result", "replica"])  # fmt: skip
+        tokens = CounterMetricFamily("graphserve_lora_generated_tokens", "Tokens generated with an adapter",
+                                     labels=["adapter", "replica"])  # fmt: skip
+        for replica, status in self.statuses.items():
+            lora, stats = status.get("lora"), status.get("stats", {}).get("lora", {})
+            if lora is None:
+                continue
+            slots.add_metric([replica], len(lora.get("adapters", {})))
+            for result, n in stats.get("loads", {}).items():
+                loads.add_metric([result, replica], n)
+            for name, n in stats.get("generated_tokens", {}).items():
+                tokens.add_metric([name, replica], n)
+        yield from (slots, loads, tokens)
 
 
 class _RolloutCollector:

@@ -30,6 +30,7 @@ from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
+from workers.modeling.lora import LoraLimits
 from workers.serving.async_engine import EngineDeadError, RequestFailed, StreamEvent
 from workers.serving.engine import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams
@@ -56,6 +57,9 @@ def engine_config(config: AppConfig) -> EngineConfig:
         kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         compile_cache_dir=config.compile_cache_dir,
         graph_policy=config.graph_policy(),
+        lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank, tuple(config.lora.target_modules))
+        if config.lora
+        else None,
     )
 
 
@@ -109,6 +113,13 @@ class LLMReplica:
         self.swap_progress: dict | None = None  # this replica's part in the latest swap it was told of
         self._swap_task: asyncio.Task | None = None
         self.draining = False  # while swapping: new requests are turned away (the ingress sends them on)
+        # Serve's model multiplexing routes a request for an adapter to a replica that reported it:
+        # this replica reports the adapters its last max_loras adapter requests named (its slots' LRU).
+        self._note_adapter = (
+            serve.multiplexed(max_num_models_per_replica=self.config.lora.max_loras)(_adapter_id)
+            if self.config.lora
+            else None
+        )
         self.controller.notify("report", self.replica_id, self.status())
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
@@ -263,6 +274,18 @@ class LLMReplica:
     async def check_health(self) -> None:
         await self.engine.check()
 
+    async def check_adapter(self, name: str, path: str) -> dict:
+        """Load and verify an adapter before an operator registers it: {"replica_id", "slot",
+        "seconds"}, or {"error", "status": 400} saying why it cannot be served."""
+        try:
+            report = await self.engine.check_adapter(name, path)
+        except InvalidRequest as e:
+            return {"error": str(e), "status": 400}
+        except (EngineDeadError, TimeoutError) as e:
+            return {"error": f"replica {self.replica_id} could not check the adapter now: {e}", "status": 503}
+        await self._note_adapter(name)
+        return {"replica_id": self.replica_id, **report}
+
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Items: {"error", "status"} alone, or {"text", "finish_reason", "prompt_tokens",
         "completion_tokens"} chunks, possibly ended by an {"error", "status"} item when the engine
@@ -283,7 +306,12 @@ class LLMReplica:
                 sampling["max_tokens"] = fit_max_tokens(
                     request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status.max_model_len
                 )
-                first, stream = await self._first_event(prompt_ids, SamplingParams(**sampling), request_id, tenant)
+                adapter = tuple(request["adapter"]) if request.get("adapter") else None
+                if adapter is not None:
+                    await self._note_adapter(adapter[0])
+                first, stream = await self._first_event(
+                    prompt_ids, SamplingParams(**sampling), request_id, tenant, adapter
+                )
             except InvalidRequest as e:
                 outcome = "invalid"
                 yield {"error": str(e), "status": 400}
@@ -330,7 +358,7 @@ class LLMReplica:
                 await stream.aclose()  # a request left early (its client went away) is cancelled now
 
     async def _first_event(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str, adapter=None
     ) -> tuple[StreamEvent, AsyncIterator[StreamEvent]]:
         """Submit and wait for the first event. An engine that dies before it costs the request
         nothing: it waits for the engine's restart in place and is submitted again."""
@@ -338,13 +366,18 @@ class LLMReplica:
         for _ in range(self.config.engine_max_restarts + 1):
             try:
                 denial = self.denial_of[request_id] = self._denial(tenant, request_id)
-                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s))
+                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s, adapter))
                 return await anext(stream), stream
             except EngineDeadError as e:
                 log.warning("replica %s: request %s waits for the engine (%s)", self.replica_id, request_id, e)
                 if not await self.engine.wait_ready(self.config.engine_start_timeout_s):
                     raise
         raise EngineDeadError("the engine kept failing before this request's first token")
+
+
+async def _adapter_id(name: str) -> str:
+    """What Serve's multiplexing keeps per replica: the adapter's name (the engine holds its slot)."""
+    return name
 
 
 async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:

@@ -27,7 +27,7 @@ from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import default_model_dir
 from workers.serving.async_engine import EngineDeadError, StreamEvent
 from workers.serving.engine import EngineConfig, EngineStatus
-from workers.serving.engine_process import GATE, SWAP_IN_PLACE, EngineProcess
+from workers.serving.engine_process import CHECK_ADAPTER, GATE, SWAP_IN_PLACE, EngineProcess
 from workers.serving.model_gate import same_shapes
 from workers.serving.sampling import SamplingParams
 from workers.tensor_parallel.shard import ShardWorker
@@ -114,8 +114,14 @@ class LocalEngine:
     def restarting(self) -> bool:
         return self._restarting is not None and not self._restarting.done()
 
-    def submit(self, prompt_ids, params, request_id, graph_denial, interval_s) -> AsyncIterator[StreamEvent]:
-        return self.runner.submit(prompt_ids, params, request_id, graph_denial, interval_s)
+    def submit(
+        self, prompt_ids, params, request_id, graph_denial, interval_s, adapter=None
+    ) -> AsyncIterator[StreamEvent]:
+        return self.runner.submit(prompt_ids, params, request_id, graph_denial, interval_s, adapter)
+
+    async def check_adapter(self, name: str, path: str) -> dict:
+        """Load and verify an adapter in the engine (InvalidRequest says why it cannot serve)."""
+        return await self.runner.ask(CHECK_ADAPTER, (name, path), self.start_timeout_s)
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.runner.set_graph_denial(request_id, reason)
@@ -238,10 +244,10 @@ class ShardGroup:
             return False
 
     async def submit(
-        self, prompt_ids, params: SamplingParams, request_id, graph_denial, interval_s
+        self, prompt_ids, params: SamplingParams, request_id, graph_denial, interval_s, adapter=None
     ) -> AsyncIterator[StreamEvent]:
         refs = self.rank0.generate.options(num_returns="streaming").remote(
-            prompt_ids, params, request_id, graph_denial, interval_s
+            prompt_ids, params, request_id, graph_denial, interval_s, adapter
         )
         try:
             async for ref in refs:
@@ -256,6 +262,12 @@ class ShardGroup:
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.rank0.set_graph_denial.remote(request_id, reason)
+
+    async def check_adapter(self, name: str, path: str) -> dict:
+        try:
+            return await self.rank0.check_adapter.remote(name, path)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
 
     async def status(self) -> EngineStatus:
         status, shards = await asyncio.wait_for(

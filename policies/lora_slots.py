@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The layers a LoRA adapter can target, by PEFT's module names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AdapterKey = tuple[str, str]  # (name, path): re-registering a name with a new path is a new adapter
 
 

@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
 
+from policies.lora_slots import LORA_TARGETS
 from workers.modeling.config import ModelConfig
 from workers.tensor_parallel.parallel import RowParallelLinear
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from workers.tensor_parallel.parallel import ColumnParallelLinear
 
 # PEFT's module names -> (our module within a block, part of a fused layer)
-TARGETS: dict[str, tuple[str, int]] = {
+TARGETS: dict[str, tuple[str, int]] = {  # in LORA_TARGETS' order
     "q_proj": ("attn.qkv", 0), "k_proj": ("attn.qkv", 1), "v_proj": ("attn.qkv", 2), "o_proj": ("attn.o", 0),
     "gate_proj": ("mlp.gate_up", 0), "up_proj": ("mlp.gate_up", 1), "down_proj": ("mlp.down", 0),
 }  # fmt: skip
@@ -55,7 +56,7 @@ class LoraLimits:
 
     max_loras: int = 8
     max_lora_rank: int = 64
-    target_modules: tuple[str, ...] = tuple(TARGETS)
+    target_modules: tuple[str, ...] = LORA_TARGETS
 
 
 class AdapterError(ValueError):

@@ -11,6 +11,7 @@ client that went away) cancels its request too.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -28,7 +29,7 @@ from workers.serving.scheduler import QueueFull, RequestLimits, Sequence, new_se
 log = logging.getLogger(__name__)
 
 # Commands from the front to the step loop: (kind, argument).
-ADD, ABORT, DENY, STOP = "add", "abort", "deny", "stop"
+ADD, ABORT, DENY, CALL, STOP = "add", "abort", "deny", "call", "stop"
 Command = tuple[str, object]
 
 
@@ -55,7 +56,13 @@ class StreamEvent:
 def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
     kind, arg = command
     if kind == ADD:
-        engine.scheduler.add(arg)
+        engine.add_sequence(arg)
+    elif kind == CALL:  # (fn, future): fn(engine) between two steps, its result or error into the future
+        fn, done = arg
+        try:
+            done.set_result(fn(engine))
+        except Exception as e:
+            done.set_exception(e)
     elif kind == DENY:
         seq = engine.scheduler.find(arg[0])
         if seq is not None:
@@ -141,6 +148,7 @@ class StreamFront(ABC):
         request_id: str | None = None,
         graph_denial: FallbackReason | None = None,
         interval_s: float = 0.0,
+        adapter: tuple[str, str] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Validate and enqueue now (raising InvalidRequest or QueueFull at once); stream later.
 
@@ -158,7 +166,7 @@ class StreamFront(ABC):
                 raise QueueFull(f"{self._inflight} requests in flight; the queue is full")
             self._inflight += 1
         self._loop = asyncio.get_running_loop()
-        seq = new_sequence(prompt_ids, params, request_id, graph_denial)
+        seq = new_sequence(prompt_ids, params, request_id, graph_denial, adapter)
         stream = _Stream()
         self._streams[seq.request_id] = stream
         self._send((ADD, seq))
@@ -279,6 +287,12 @@ class AsyncEngine(StreamFront):
 
     async def status(self) -> EngineStatus:
         return self.engine.status()
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """fn(engine) run by the step loop between two steps (where the engine may be changed)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send((CALL, (fn, done)))
+        return await asyncio.wrap_future(done)
 
     def _send(self, command: Command) -> None:
         self._commands.put(command)

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 READY, EVENTS, REPLY, FAILED = "ready", "events", "reply", "failed"
 # Questions to the child, answered between two steps: its status; load a checkpoint of the same
 # shapes in place and gate it (payload: the new EngineConfig); gate the model it has.
-STATUS, SWAP_IN_PLACE, GATE = "status", "swap_in_place", "gate"
-QUESTIONS = (STATUS, SWAP_IN_PLACE, GATE)
+STATUS, SWAP_IN_PLACE, GATE, CHECK_ADAPTER = "status", "swap_in_place", "gate", "check_adapter"
+QUESTIONS = (STATUS, SWAP_IN_PLACE, GATE, CHECK_ADAPTER)
 EXIT_WAIT_S = 10.0
 
 # What the child takes from the replica's environment: paths, locale, and the settings of the
@@ -218,6 +218,8 @@ def serve_engine(commands: Connection, events: Connection) -> None:
             if question == SWAP_IN_PLACE:
                 tokenizer, report = swap_weights_in_place(engine, payload)
                 return report
+            if question == CHECK_ADAPTER:
+                return engine.check_adapter(*payload)
             return run_gate(engine, tokenizer, engine.config.gate_prompts_file)
         except Exception as e:  # the engine serves on (an in-place swap put the old weights back)
             log.error("%s failed: %s", question, e)

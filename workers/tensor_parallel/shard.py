@@ -91,9 +91,13 @@ class ShardWorker:
         request_id: str,
         graph_denial: FallbackReason | None,
         interval_s: float,
+        adapter: tuple[str, str] | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, interval_s):
+        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, interval_s, adapter):
             yield event
+
+    async def check_adapter(self, name: str, path: str) -> dict:
+        return await self.engine.call(lambda engine: engine.check_adapter(name, path))
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.engine.set_graph_denial(request_id, reason)
