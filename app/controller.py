@@ -69,6 +69,7 @@ class _State(BaseModel):
     swap: Swap | None = None
     swaps_started: StrictInt = Field(0, ge=0)
     serving_model: dict[str, Any] | None = None  # what a replica starting now loads: the last swap's target
+    lora_adapters: dict[str, dict[str, Any]] = {}  # adapters registered through the admin API
 
 
 PERSISTED = ("toggles", "rollout", "rollouts_started", "swap", "swaps_started", "serving_model", "lora_adapters")
@@ -265,7 +266,7 @@ class GraphController:
             return {"name": name, **before}
         entry = {"path": path, "added_by": actor, "added_at": time.time()}
         audit = {"time": entry["added_at"], "actor": actor, "action": "add_lora_adapter", "adapter": name,
-                 "path": path, "before": before and before["path"]}  # fmt: skip
+                 "path": path, "replaced_path": before and before["path"]}  # fmt: skip
         try:
             self._commit([audit], lora_adapters={**self.lora_adapters, name: entry})
         except StateWriteError as e:

@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from workers.modeling.config import CheckpointError
+from workers.modeling.lora import LoraLimits
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import InvalidRequest, SamplingParams
@@ -26,13 +28,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--max-model-len", type=int, default=2048)
     gen.add_argument("--device", default="auto")
+    gen.add_argument("--lora", help="a PEFT LoRA adapter directory to decode with")
+    gen.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank its slot holds")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token ids and text")
     return parser.parse_args(argv)
 
 
 async def generate(args: argparse.Namespace) -> dict:
+    lora = LoraLimits(max_loras=1, max_lora_rank=args.max_lora_rank) if args.lora else None
     engine, tokenizer = LLMEngine.from_config(
-        EngineConfig(model=args.model, max_num_seqs=1, max_model_len=args.max_model_len, device=args.device)
+        EngineConfig(
+            model=args.model, max_num_seqs=1, max_model_len=args.max_model_len, device=args.device, lora=lora
+        )  # fmt: skip
     )
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -42,7 +49,8 @@ async def generate(args: argparse.Namespace) -> dict:
     runner = AsyncEngine(engine, tokenizer).start()
     try:
         ids, text, reason = [], "", None
-        async for event in runner.submit(prompt_ids, params):
+        adapter = (Path(args.lora).name, args.lora) if args.lora else None
+        async for event in runner.submit(prompt_ids, params, adapter=adapter):
             ids += event.token_ids
             text += event.text
             reason = event.finish_reason

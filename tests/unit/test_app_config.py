@@ -174,3 +174,22 @@ def test_max_tokens_follows_openai_rules():
         fit_max_tokens("completion", 247, 10, 256)
     with pytest.raises(InvalidRequest, match="no room"):
         fit_max_tokens("chat", None, 256, 256)
+
+
+def test_lora_config_reaches_the_engine_and_bad_lora_settings_are_named():
+    from app.replica import engine_config
+
+    assert engine_config(AppConfig.from_args({})).lora is None  # absent: LoRA off
+    config = AppConfig.from_args({"lora": {"max_loras": 4, "max_lora_rank": 16, "target_modules": ["q_proj"]},
+                                  "lora_modules": {"sql-v1": "/adapters/sql"}})  # fmt: skip
+    limits = engine_config(config).lora
+    assert (limits.max_loras, limits.max_lora_rank, limits.target_modules) == (4, 16, ("q_proj",))
+    assert AppConfig.from_args({"lora": {}}).lora.max_loras == 8
+    with pytest.raises(ValidationError, match="lora_modules needs lora"):
+        AppConfig.from_args({"lora_modules": {"sql": "/adapters/sql"}})
+    with pytest.raises(ValidationError, match="adapter name 'a/b'"):
+        AppConfig.from_args({"lora": {}, "lora_modules": {"a/b": "/adapters/sql"}})
+    with pytest.raises(ValidationError, match="target_modules"):
+        AppConfig.from_args({"lora": {"target_modules": ["embed_tokens"]}})
+    with pytest.raises(ValidationError, match="max_lora_rank"):
+        AppConfig.from_args({"lora": {"max_lora_rank": 0}})

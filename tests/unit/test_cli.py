@@ -92,3 +92,25 @@ def test_prompt_too_long_exits_2(tiny, monkeypatch, capsys):
     monkeypatch.setenv("GRAPHSERVE_CACHE", str(tiny.cache))
     assert main(["generate", "--prompt", "x" * 40, "--device", "cpu", "--max-model-len", "16"]) == 2
     assert "max_model_len=16" in capsys.readouterr().err
+
+
+def test_generate_with_a_lora_adapter_decodes_what_the_engine_does_with_it(tiny, tmp_path, monkeypatch):
+    """--lora PATH decodes with a PEFT adapter: the same tokens as the engine in-process with that
+    adapter, other tokens than without it; an adapter above --max-lora-rank exits 2 naming `r`."""
+    from tests.lora_adapters import adapter_for
+    from workers.modeling.lora import LoraLimits
+
+    path = str(adapter_for(tiny.model_dir, tmp_path / "ad", seed=5, r=8, lora_alpha=64, target_modules="all-linear"))
+    proc = run_cli(tiny, "generate", "--prompt", "Hello", "--max-tokens", "8", "--json", "--lora", path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(tiny.cache))
+    config = EngineConfig(max_num_seqs=1, max_model_len=2048, device="cpu", lora=LoraLimits(1, 8))
+    engine, _ = LLMEngine.from_config(config)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    seqs = [engine.add_request(out["prompt_token_ids"], params, adapter=a) for a in (("ad", path), None)]
+    while engine.has_work():
+        engine.step()
+    assert out["completion_token_ids"] == seqs[0].output_ids != seqs[1].output_ids
+    small = run_cli(tiny, "generate", "--prompt", "Hello", "--lora", path, "--max-lora-rank", "4")
+    assert small.returncode == 2 and "r: rank 8 is above max_lora_rank 4" in small.stderr

@@ -195,3 +195,29 @@ def test_the_state_file_is_replaced_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(controller_module.os, "replace", spy)
     c.set_toggle("tenant-a", False, "alice")
     assert replaced == [path]
+
+
+def test_lora_adapters_are_persisted_audited_and_a_failed_write_registers_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "state.json"
+    c = GraphController(str(path), INITIAL)
+    added = c.add_lora_adapter("sql", "/adapters/sql", "alice")
+    assert added["name"] == "sql" and added["path"] == "/adapters/sql" and added["added_by"] == "alice"
+    assert c.add_lora_adapter("sql", "/adapters/sql", "bob") == added  # the same again: nothing new
+    assert c.add_lora_adapter("sql", "/adapters/sql-v2", "bob")["path"] == "/adapters/sql-v2"
+    restarted = GraphController(str(path), INITIAL)
+    assert restarted.get_lora_adapters()["sql"]["path"] == "/adapters/sql-v2"
+    assert [(a["action"], a["actor"], a.get("replaced_path")) for a in restarted.audit] == [
+        ("add_lora_adapter", "alice", None), ("add_lora_adapter", "bob", "/adapters/sql")]  # fmt: skip
+    assert c.tenant("tenant-a")["updated_by"] is None  # adapter entries name no tenant
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(controller_module.os, "replace", full)
+    assert "No space left" in c.add_lora_adapter("chat", "/adapters/chat", "alice")["error"]
+    assert c.remove_lora_adapter("sql", "alice")["status"] == 409
+    assert set(c.get_lora_adapters()) == {"sql"}
+    monkeypatch.undo()
+    assert c.remove_lora_adapter("sql", "carol") == {"name": "sql", "removed": True}
+    assert c.remove_lora_adapter("sql", "carol")["status"] == 404
+    assert GraphController(str(path), INITIAL).get_lora_adapters() == {}
