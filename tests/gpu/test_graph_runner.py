@@ -92,8 +92,8 @@ def watch(engine: LLMEngine, trace: Trace) -> None:
             trace.pages.setdefault(seq.request_id, set()).update(table)
             trace.slots.setdefault(seq.request_id, set()).add(seq.slot)
 
-    def admit_spy():
-        admitted = admit()
+    def admit_spy(*args):
+        admitted = admit(*args)
         note(admitted)
         return admitted
 

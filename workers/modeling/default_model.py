@@ -185,3 +185,32 @@ def random_model(
     for norm in [model.norm] + [m for b in model.layers for m in (b.input_norm, b.post_attn_norm)]:
         norm.weight.data.fill_(1.0)
     return model.eval()
+
+
+def write_random_adapter(
+    path: Path, cfg: ModelConfig, rank: int, seed: int, alpha: float = 32.0, device: str = "cpu"
+) -> Path:
+    """A LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors) for a model
+    of `cfg`, every linear layer targeted, random A and B (made on `device`): for benchmarks of
+    real shapes, where building the HF model to let peft save one would take a minute."""
+    import json
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    sizes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+             "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i),
+             "mlp.down_proj": (i, h)}  # fmt: skip
+    weights = {}
+    for n in range(cfg.num_layers):
+        for name, (in_size, out_size) in sizes.items():
+            key = f"base_model.model.model.layers.{n}.{name}"
+            a = torch.randn(rank, in_size, generator=g, device=device) / in_size**0.5
+            b = torch.randn(out_size, rank, generator=g, device=device) * 0.01
+            weights[f"{key}.lora_A.weight"] = a.to(cfg.dtype).cpu()
+            weights[f"{key}.lora_B.weight"] = b.to(cfg.dtype).cpu()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": "all-linear", "bias": "none",
+              "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
