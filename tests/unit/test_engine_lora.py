@@ -205,3 +205,26 @@ def test_check_adapter_loads_and_verifies_without_a_request(tiny, adapters):
     assert engine.status().memory_mb["lora"] > 0
     with pytest.raises(InvalidRequest, match="no adapter_config.json"):
         engine.check_adapter("missing", "/nonexistent/adapter")
+
+
+def test_rows_denied_graphs_decode_eager_with_their_adapter(tiny, adapters, monkeypatch):
+    """A tenant's graph denial (or a rollout holdback) sends its rows eager, adapter and all: the
+    same tokens as when they replay, next to rows that replay in the same steps."""
+    from policies.dispatch import FallbackReason
+
+    def runner(model, cache, policy, lora=False):
+        return EagerGraphRunner(model, cache, policy, lora=lora)
+
+    monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
+    engine = lora_engine(tiny, graph_policy=GraphPolicy(decode_batch_buckets=(1, 2, 4)))
+    names = ["all", "attn", None, "mlp"]
+    seqs = []
+    for i, (prompt, name) in enumerate(zip(PROMPTS, names, strict=True)):
+        denial = FallbackReason.TENANT_DISABLED if i % 2 else None
+        seqs.append(engine.add_request(prompt, GREEDY, graph_denial=denial, adapter=name and (name, adapters[name])))
+    while engine.has_work():
+        engine.step()
+    monkeypatch.undo()
+    assert [s.output_ids for s in seqs] == run(lora_engine(tiny), list(zip(PROMPTS, names, strict=True)), adapters)
+    parts = {(p["execution_mode"], p["fallback_reason"]) for p in engine.stats.snapshot()["decode_step_parts"]}
+    assert ("eager", "tenant_disabled") in parts and ("cuda_graph", "none") in parts
