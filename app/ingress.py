@@ -94,6 +94,18 @@ async def _json_body(request: Request) -> dict | JSONResponse:
     return body
 
 
+async def _admin_body(request: Request, schema: type[BaseModel], shape: str) -> BaseModel | JSONResponse:
+    """An admin call's body as `schema`, or the 400 naming what is wrong (the field, when one is)."""
+    body = await _json_body(request)
+    if isinstance(body, JSONResponse):
+        return JSONResponse({"detail": f"request body must be a JSON object: {shape}"}, status_code=400)
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        message, field = _validation_message(e)
+        return JSONResponse({"detail": message, "field": field}, status_code=400)
+
+
 def _sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -244,7 +256,7 @@ class Ingress:
             "adapter": adapter,
         }
         if chat:
-            payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]
+            payload["messages"] = [m.for_template() for m in req.messages]
         else:
             payload["prompt"] = req.prompt
         items, first = await self._first_item(payload, adapter[0] if adapter else None)
@@ -419,14 +431,9 @@ class Ingress:
         denied = self._admin_denied(request)
         if denied:
             return denied
-        body = await _json_body(request)
-        if isinstance(body, JSONResponse):
-            return JSONResponse({"detail": "request body must be a JSON object (a graph policy)"}, status_code=400)
-        try:
-            policy = GraphPolicy.model_validate(body)
-        except ValidationError as e:
-            message, field = _validation_message(e)
-            return JSONResponse({"detail": message, "field": field}, status_code=400)
+        policy = await _admin_body(request, GraphPolicy, "a graph policy")
+        if isinstance(policy, JSONResponse):
+            return policy
         previous = {"graph_policy": self.config.graph_policy().model_dump(mode="json")}
         result = await self.controller.call("start_swap", "graph_policy", policy.model_dump(mode="json"), previous,
                                             request.state.operator)  # fmt: skip
@@ -489,14 +496,9 @@ class Ingress:
         if self.config.lora is None:
             return JSONResponse({"detail": "LoRA is not enabled: set lora: {max_loras, max_lora_rank} in the "
                                  "config"}, status_code=400)  # fmt: skip
-        body = await _json_body(request)
-        if isinstance(body, JSONResponse):
-            return JSONResponse({"detail": 'request body must be a JSON object: {"name", "path"}'}, status_code=400)
-        try:
-            adapter = AdapterBody.model_validate(body)
-        except ValidationError as e:
-            message, field = _validation_message(e)
-            return JSONResponse({"detail": message, "field": field}, status_code=400)
+        adapter = await _admin_body(request, AdapterBody, '{"name", "path"}')
+        if isinstance(adapter, JSONResponse):
+            return adapter
         if adapter.name == self.model_name:
             return JSONResponse({"detail": f"name: {adapter.name!r} is the served model's name"}, status_code=400)
         if adapter.name in self.config.lora_modules:

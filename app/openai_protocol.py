@@ -1,8 +1,10 @@
 """The OpenAI-compatible request schemas, error bodies and response shapes.
 
-Requests are validated strictly: unknown fields and values we cannot honour (n > 1, logprobs, ...)
-are a 400 naming the field, never silently ignored, and every field takes only its own JSON type (no
-"1.5" for a number, no true for 1, no number for a string).
+Requests are validated strictly: unknown fields and values we cannot honour (n > 1, logprobs, tools,
+a JSON response format, ...) are a 400 naming the field, never silently ignored, and every field
+takes only its own JSON type (no "1.5" for a number, no true for 1, no number for a string). Fields
+that do not change what is generated (store, metadata, user, service_tier, parallel_tool_calls) are
+accepted and have no effect.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False  # vLLM-compatible extension (benchmarks): generate max_tokens regardless
     presence_penalty: Annotated[Literal[0, 0.0], _json_type("a number", int, float)] = 0.0
     frequency_penalty: Annotated[Literal[0, 0.0], _json_type("a number", int, float)] = 0.0
+    # accepted, and they change nothing that is generated
+    store: StrictBool | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    service_tier: StrictStr | None = None
 
     @field_validator("stop")
     @classmethod
@@ -108,17 +114,63 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
     name: StrictStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this model reads text only")
+        return v
+
+    def for_template(self) -> dict[str, str]:
+        """The message as a chat template reads it: text parts joined, `developer` (OpenAI's newer
+        name for system instructions) as `system`."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return {**out, "name": self.name} if self.name is not None else out
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]  # json_object and json_schema would need constrained decoding: refused
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: Annotated[Literal[False] | None, _json_type("a boolean or null", bool, type(None))] = None
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: StrictBool | None = None  # meaningless without tools, which are refused
+    tools: None = None
+    tool_choice: None = None
+
+    @field_validator("tools", "tool_choice", mode="before")
+    @classmethod
+    def _no_tools(cls, v: Any) -> None:
+        if v is not None:
+            raise ValueError("tool calling is not supported")
+        return v
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _text_format(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("type") != "text":
+            raise ValueError(f"response_format {v.get('type')!r} is not supported (it needs constrained decoding); "
+                             'only {"type": "text"}')  # fmt: skip
+        return v
 
     def sampling(self) -> dict[str, Any]:
         fields = super().sampling()

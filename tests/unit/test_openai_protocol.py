@@ -171,3 +171,32 @@ def test_stop_at_the_cap_is_accepted():
     assert CompletionRequest.model_validate({**COMPLETION, "stop": stop}).sampling()["stop"] == (stop,)
     with pytest.raises(ValidationError, match=str(STOP_MAX_CHARS)):
         CompletionRequest.model_validate({**COMPLETION, "stop": stop + "€"})
+
+
+def test_what_common_clients_send_is_served():
+    """Content as a list of text parts, the developer role, and fields that change nothing that is
+    generated (store, metadata, service_tier, parallel_tool_calls, a text response_format)."""
+    req = ChatRequest.model_validate({**CHAT, "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief. "}, {"type": "text", "text": "Say hi."}]},
+        {"role": "user", "content": "hi", "name": "ann"}],
+        "store": False, "metadata": {"trace": "x"}, "service_tier": "auto", "parallel_tool_calls": True,
+        "response_format": {"type": "text"}, "tool_choice": None})  # fmt: skip
+    system = {"role": "system", "content": "Be brief. Say hi."}
+    user = {"role": "user", "content": "hi", "name": "ann"}
+    assert [m.for_template() for m in req.messages] == [system, user]
+
+
+@pytest.mark.parametrize(("changes", "field", "says"), [
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content", "'image_url' are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "text"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling is not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "tool calling is not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+    ({"metadata": {"k": 1}}, "metadata", "string"),
+])  # fmt: skip
+def test_what_would_change_the_meaning_of_a_request_is_refused_naming_it(changes, field, says):
+    with pytest.raises(ValidationError) as info:
+        ChatRequest.model_validate({**CHAT, **changes})
+    error = info.value.errors()[0]
+    assert ".".join(map(str, error["loc"])).startswith(field) and says in str(info.value)
