@@ -23,6 +23,7 @@ MONITORS = {
     ("PodMonitor", "graphserve-ray"),
     ("PodMonitor", "graphserve-app"),
     ("NetworkPolicy", "graphserve-ray-metrics"),
+    ("ConfigMap", "graphserve-dashboard"),
 }
 STATE = {("PersistentVolumeClaim", "graphserve-state")}
 EXTRA = {
