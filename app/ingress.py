@@ -7,7 +7,6 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
@@ -23,7 +22,7 @@ from app.metrics import render
 from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
 from policies.graph_policy import GraphPolicy
-from workers.modeling.default_model import TINY_NAME
+from workers.modeling.default_model import model_name
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
@@ -168,9 +167,7 @@ class Ingress:
         self.keys = api_keys_from_env(self.config)
         self.admin_tokens = admin_tokens_from_env(self.config)
         self.controller = ControllerClient(self.config)
-        self.model_name = self.config.served_model_name or (
-            Path(self.config.model).name if self.config.model else TINY_NAME
-        )
+        self.model_name = self.config.served_model_name or model_name(self.config.model)
         self.tenants = (
             set(self.config.tenants) | set(self.keys.values()) | ({auth.OPEN_TENANT} if not self.keys else set())
         )
@@ -217,7 +214,7 @@ class Ingress:
         if not ready:
             return {}
         revisions = sorted({s.get("model_revision") for s in ready})
-        return {"root": ready[0].get("model") or TINY_NAME, "revision": revisions[0] if len(revisions) == 1 else
+        return {"root": ready[0].get("model") or model_name(None), "revision": revisions[0] if len(revisions) == 1 else
                 revisions, "max_model_len": min(s.get("max_model_len", 0) for s in ready)}  # fmt: skip
 
     @api.post("/v1/completions")

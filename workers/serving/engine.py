@@ -9,7 +9,6 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -23,7 +22,7 @@ from workers.kv.kv_cache import KVCache
 from workers.kv.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
 from workers.modeling.checkpoint import load_model, load_tokenizer, model_revision
 from workers.modeling.config import DTYPES, ModelConfig, load_config
-from workers.modeling.default_model import default_model_dir
+from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.modeling.lora import AdapterError, LoraLimits, load_adapter
 from workers.modeling.model import LlamaModel
 from workers.serving.sampling import InvalidRequest, SamplingParams, sample
@@ -136,7 +135,7 @@ def make_runners(model: LlamaModel, cache: KVCache, policy: GraphPolicy) -> Step
 
 def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | None = None):
     """(model, tokenizer, eos ids, revision) for the checkpoint the config names."""
-    model_dir = Path(config.model) if config.model else default_model_dir()
+    model_dir = resolve_model_dir(config.model)
     cfg = load_config(model_dir)
     max_len = min(config.max_model_len, cfg.max_position_embeddings)
     dtype = DTYPES[config.dtype] if config.dtype else None

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from workers.graphs import fault_injection
+from workers.modeling.default_model import DEFAULT_MODEL_ENV
 from workers.serving.async_engine import STOP, Command, EngineDeadError, StreamFront, run_step_loop
 from workers.serving.engine import EngineConfig, EngineStatus, LLMEngine
 from workers.serving.model_gate import run_gate, swap_weights_in_place
@@ -46,7 +47,7 @@ EXIT_WAIT_S = 10.0
 # stays behind, and so does any variable whose name says it holds a secret.
 CHILD_ENV_NAMES = frozenset(
     {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "LD_LIBRARY_PATH",
-     "VIRTUAL_ENV", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "GRAPHSERVE_CACHE",
+     "VIRTUAL_ENV", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "GRAPHSERVE_CACHE", DEFAULT_MODEL_ENV,
      fault_injection.VARIABLE}
 )  # fmt: skip
 CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "CUBLAS", "CUDNN_", "TORCH", "PYTORCH_", "TRITON_",

@@ -23,6 +23,7 @@ import torch
 from policies.dispatch import FallbackReason
 from workers.modeling.checkpoint import load_tokenizer, load_weights, model_revision
 from workers.modeling.config import load_config
+from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.serving.engine import EngineConfig, LLMEngine, eos_ids
 from workers.serving.sampling import SamplingParams
 from workers.serving.stats import EngineStats
@@ -122,7 +123,7 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
     old model as before. Returns (tokenizer, gate report)."""
     if engine.has_work():
         raise GateFailed("the engine still has requests: a swap needs it drained")
-    model_dir = Path(config.model)
+    model_dir = resolve_model_dir(config.model)
     params = [(name, p, p.data) for name, p in engine.model.named_parameters()]
     backup = [data.to("cpu", copy=True) for _, _, data in params]
     old = engine.config, engine.revision, engine.eos_token_ids
