@@ -1,6 +1,7 @@
 """What LoRA slots cost a decode step on the GPU, and how long loading an adapter takes.
 
-One model of real shape (random bf16 weights), two engines over it: the base engine without LoRA,
+One model of real shape (random bf16 weights, max_model_len 8192, live contexts of 256), two
+engines over it: the base engine without LoRA,
 and a LoRA engine (max_loras 8, max_lora_rank 16, every linear layer). At each batch size, turns
 of `--steps` decode steps taking turns between: the base engine; the LoRA engine with rows that
 name no adapter (its plain graphs); the same rows forced through its LoRA graphs (what a server
@@ -31,6 +32,7 @@ from workers.modeling.lora import LoraLimits
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import SamplingParams
 
+MAX_MODEL_LEN = 8192  # as a server is configured: long max_model_len, short live contexts
 CONTEXT = 256
 RANK = 16
 MAX_LORAS = 8
@@ -96,7 +98,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     buckets = tuple(sorted(set(args.batch_sizes)))
-    model = random_model(args.config, 2048, "cuda")
+    model = random_model(args.config, MAX_MODEL_LEN, "cuda")
     base = make_engine(model, buckets, None, args.compile)  # before the LoRA engine adds slots to the model
     lora = make_engine(model, buckets, LoraLimits(MAX_LORAS, RANK), args.compile)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))

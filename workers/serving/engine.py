@@ -339,6 +339,8 @@ class LLMEngine:
         if self.channel is not None:
             self.channel.send(LORA_LOAD, slot, [len(others), *others, *path.encode()])
         lora.load(slot, adapter)
+        if self.device.type == "cuda":  # the copy runs on the stream: time it to its end (loads are rare)
+            torch.cuda.synchronize(self.device)
         loaded = time.perf_counter() - start
         why = self.runners.lora.check_adapter(slot, others)
         if why is not None:

@@ -19,6 +19,11 @@ import torch
 from workers.serving.scheduler import Sequence
 
 
+def _on_device(rows: tuple[list[int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Equal-length int rows as device tensors, in one host-to-device copy."""
+    return tuple(torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True))
+
+
 class DecodeInputs(NamedTuple):
     """Per row: the token to decode, its position, its slot (block-table row) and its adapter slot."""
 
@@ -50,7 +55,7 @@ class DecodeInputs(NamedTuple):
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """tokens, positions, slots, adapters as device tensors, in one host-to-device copy."""
-        return tuple(torch.tensor(self[:4], dtype=torch.int64).to(device, non_blocking=True))
+        return _on_device(self[:4], device)
 
 
 class PrefillInputs(NamedTuple):
@@ -101,4 +106,4 @@ class PrefillInputs(NamedTuple):
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """tokens, positions, slots, adapters as device tensors, in one host-to-device copy (lens
         stay on the host)."""
-        return tuple(torch.tensor(self[:4], dtype=torch.int64).to(device, non_blocking=True))
+        return _on_device(self[:4], device)
