@@ -59,8 +59,8 @@ class AdapterSlots:
         self._touch(slot)
 
     def drop(self, key: AdapterKey) -> None:
-        """Forget an adapter (it failed to load, or was unregistered): its slot is free once no
-        request pins it; a pinned slot keeps serving its requests until they finish."""
+        """Forget an adapter that failed to load or verify: its slot is free once no request pins
+        it (a pinned slot keeps serving its requests until they finish)."""
         slot = self.slot_of(key)
         if slot is not None and not self.pins.get(slot):
             del self.holder[slot]
