@@ -235,7 +235,7 @@ class LLMEngine:
                 "weights": sum(t.nbytes for t in self.model.parameters()) / MB,
                 "kv_pool": self.cache.nbytes / MB,
                 "graphs": sum(r.graph_memory_mb() for r in self.runners.all),
-                **({"lora": self.model.lora.nbytes / MB} if self.model.lora else {}),
+                **({"lora": self.model.lora.nbytes / MB} if self.adapter_slots else {}),
             },
             kv_cache={
                 "page_size": self.cache.page_size,
@@ -249,7 +249,7 @@ class LLMEngine:
 
     def _lora_status(self) -> dict | None:
         lora = self.model.lora
-        if lora is None:
+        if self.adapter_slots is None:  # LoRA off here, even if another engine gave the model slots
             return None
         return {"max_loras": lora.max_loras, "max_lora_rank": lora.max_rank, "target_modules": list(lora.targets),
                 "adapters": self.adapter_slots.report()}  # fmt: skip
