@@ -10,10 +10,11 @@ Slots are allocated once per adapted linear layer, for the targets the server al
 (`lora.target_modules`): max_loras slots of max_rank, smaller ranks zero-padded, B with its scaling
 folded in. Slot 0 is the null adapter: no storage, a row naming it gets nothing added. Loading an
 adapter is a copy into a slot; the slots keep their addresses, so captured graphs read whatever a
-slot holds. A call's rows each name a slot; each adapted layer adds all rows' deltas with one
-matmul over every slot, a mask and one addmm (`LinearLora`): its cost follows max_loras x
-max_lora_rank, not the batch's mix, which is why batches without adapters run graphs captured
-without LoRA (`graph_runner.py`).
+slot holds. A call's rows each name a slot; each adapted layer adds all rows' deltas in two
+kernels on the GPU, each row reading only its own slot (`lora_kernels.py`), or on the CPU and for
+long prefills with one matmul over every slot, a mask and an addmm per part (`LinearLora`). Either
+way a LoRA step costs more than a plain one, which is why batches without adapters run graphs
+captured without LoRA (`graph_runner.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from safetensors import safe_open
 
 from policies.lora_slots import LORA_TARGETS
+from workers.modeling import lora_kernels
 from workers.modeling.config import ModelConfig
 from workers.tensor_parallel.parallel import RowParallelLinear
 
@@ -192,68 +194,86 @@ def _sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class LoraBatch:
-    """A model call's per-row adapter slots, as the masks the linears multiply by: a layer with P
-    adapted parts has P * max_loras * max_rank slot columns, and a row keeps only its own slot's."""
+    """A model call's per-row adapter slots: as they are, for the kernels (`lora_kernels.py`), and as
+    the masks the matmul form multiplies by: a layer with P adapted parts has P * max_loras *
+    max_rank slot columns, and a row keeps only its own slot's."""
 
     def __init__(self, adapters: torch.Tensor, column_slot: torch.Tensor, dtype: torch.dtype) -> None:
-        self._one = (adapters[:, None] == column_slot[None, :]).to(dtype)  # (rows, max_loras * max_rank)
-        self._masks: dict[int, torch.Tensor] = {1: self._one}
+        self.adapters = adapters
+        self.rows = adapters.shape[0]
+        self.kernels = adapters.is_cuda and lora_kernels.available() and self.rows <= lora_kernels.MAX_ROWS
+        self._column_slot, self._dtype = column_slot, dtype
+        self._masks: dict[int, torch.Tensor] = {}
 
     def mask(self, parts: int) -> torch.Tensor:
+        if 1 not in self._masks:
+            self._masks[1] = (self.adapters[:, None] == self._column_slot[None, :]).to(self._dtype)
         if parts not in self._masks:
-            self._masks[parts] = self._one.repeat(1, parts)
+            self._masks[parts] = self._masks[1].repeat(1, parts)
         return self._masks[parts]
 
 
 class LinearLora:
     """The adapter slots of one linear layer, fused parts and tensor-parallel shard included.
 
-    A [parts * max_loras * max_rank, in] stacks every part's slots; B [out, parts * max_loras *
-    max_rank] is block diagonal: part p's slot columns feed only part p's output rows. One call is
-    x @ A^T (every slot at once), masked to each row's slot, then one addmm into the layer's output:
-    three kernels whatever the batch's mix of adapters, and fixed shapes for the graphs. Sharded as
-    the layer is: a column-parallel layer keeps its rows of B (A whole), a row-parallel layer its
-    columns of A (B whole, its partial delta summed by the layer's own all-reduce)."""
+    A [parts * max_loras * max_rank, in] stacks every part's slots; B [out, max_loras, max_rank]
+    holds each output feature's slots, and a feature takes the delta of its own part (`row_part`).
+    Sharded as the layer is: a column-parallel layer keeps its rows of B (A whole), a row-parallel
+    layer its columns of A (B whole, its partial delta summed by the layer's own all-reduce).
+    A call of few rows on the GPU takes the two kernels of `lora_kernels.py`; otherwise (CPU, long
+    prefills) x @ A^T over every slot at once, masked to each row's slot, then one addmm per part."""
 
     def __init__(self, layer: ColumnParallelLinear | RowParallelLinear, parts: list[tuple[str, int]],
                  max_loras: int, max_rank: int) -> None:  # fmt: skip
         out_local, in_local = layer.weight.shape
         self.targets = [target for target, _ in parts]
         self.max_loras, self.max_rank = max_loras, max_rank
-        width = len(parts) * max_loras * max_rank
         weight = layer.weight
-        self.a = torch.zeros(width, in_local, dtype=weight.dtype, device=weight.device)
-        self.b = torch.zeros(out_local, width, dtype=weight.dtype, device=weight.device)
+        self.a = torch.zeros(len(parts) * max_loras * max_rank, in_local, dtype=weight.dtype, device=weight.device)
+        self.b = torch.zeros(out_local, max_loras, max_rank, dtype=weight.dtype, device=weight.device)
+        self.row_part = torch.full((out_local,), -1, dtype=torch.int32, device=weight.device)
         # per target: the adapter's input columns this shard reads, its output rows this shard
         # holds, and where those rows sit in the (fused) layer's local output
         self.shard: dict[str, tuple[slice, slice, int]] = {}
-        for target, part in parts:
+        self.part_rows: list[slice] = []
+        for index, (target, part) in enumerate(parts):
             if isinstance(layer, RowParallelLinear):
                 self.shard[target] = (slice(*layer.in_range), slice(None), 0)
+                rows = slice(0, out_local)
             else:
-                self.shard[target] = (slice(None), slice(*layer.part_ranges[part]), layer.part_offsets[part])
+                start, stop = layer.part_ranges[part]
+                self.shard[target] = (slice(None), slice(start, stop), layer.part_offsets[part])
+                rows = slice(layer.part_offsets[part], layer.part_offsets[part] + stop - start)
+            self.part_rows.append(rows)
+            self.row_part[rows] = index
 
     def columns(self, index: int, slot: int, rank: int) -> slice:
         start = (index * self.max_loras + slot - 1) * self.max_rank
         return slice(start, start + rank)
 
     def load(self, slot: int, adapter: LoraAdapter, layer: int) -> None:
+        self.b[:, slot - 1].zero_()
         for index, target in enumerate(self.targets):
-            cols = self.columns(index, slot, self.max_rank)
-            self.a[cols].zero_()
-            self.b[:, cols].zero_()
+            self.a[self.columns(index, slot, self.max_rank)].zero_()
             if (layer, target) not in adapter.weights:
                 continue
             a, b = adapter.weights[(layer, target)]
             in_cols, out_rows, offset = self.shard[target]
             b = b[out_rows]
-            cols = self.columns(index, slot, adapter.rank)
-            self.a[cols].copy_(a[:, in_cols])
-            self.b[offset : offset + b.shape[0], cols].copy_(b * adapter.scaling)
+            self.a[self.columns(index, slot, adapter.rank)].copy_(a[:, in_cols])
+            self.b[offset : offset + b.shape[0], slot - 1, : adapter.rank].copy_(b * adapter.scaling)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """y + each row's adapter delta, for the layer's input x and output y (2-D: rows, features)."""
-        return torch.addmm(y, (x @ self.a.t()) * batch.mask(len(self.targets)), self.b.t())
+        if batch.kernels:
+            s = lora_kernels.lora_shrink(x, self.a, batch.adapters, len(self.targets), self.max_loras)
+            return lora_kernels.lora_expand(y, s, self.b, self.row_part, batch.adapters)
+        s = (x @ self.a.t()) * batch.mask(len(self.targets))
+        width = self.max_loras * self.max_rank
+        for index, rows in enumerate(self.part_rows):
+            b = self.b[rows].view(-1, width)
+            y[:, rows].addmm_(s[:, index * width : (index + 1) * width], b.t())
+        return y
 
 
 class LoraSlots:
@@ -304,7 +324,7 @@ class LoraSlots:
         g = torch.Generator(self.column_slot.device).manual_seed(seed)
         for linear in self.linears.values():
             for t in (linear.a, linear.b):
-                t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype) / t.shape[1] ** 0.5)
+                t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype) / t.shape[-1] ** 0.5)
         try:
             yield
         finally:
