@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, run_sync
@@ -595,3 +596,113 @@ def test_rollout_cohorts_are_counted_apart(tiny):
     graph_calls, seconds = cohorts["graph"]["calls"][2]
     assert graph_calls == steps and seconds > 0
     assert cohorts["holdback"]["calls"][2][0] == steps  # the eager call of the held-back and disabled rows
+
+
+# ---------------------------------------------------------------- penalties, logit_bias, logprobs
+
+
+def penalized_requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy and seeded sampled requests with strong penalties (and some with a logit_bias)."""
+    rng = random.Random(seed)
+    return [(prompt(rng, rng.randint(2, 20)),
+             SamplingParams(max_tokens=rng.randint(10, 30), temperature=rng.choice([0.0, 0.9]), seed=i,
+                            ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0,
+                            logit_bias=((rng.randrange(256), 5.0),) if i % 2 else ()))
+            for i in range(n)]  # fmt: skip
+
+
+def test_penalized_requests_batched_and_preempted_match_solo_runs(tiny):
+    """Requests with penalties through 6 slots and a pool too small for all of them (slots reused,
+    newest preempted and prefilled again): each ends with exactly the tokens it produces alone, so
+    its history followed it and never mixed with a slot's previous owner's. The penalties really
+    changed what was generated."""
+    requests = penalized_requests(9, 16)
+    engine = new_engine(tiny, max_num_seqs=6, kv_page_size=8, kv_cache_tokens=120)
+    seqs = run_sync(engine, requests)
+    assert engine.status().kv_cache["preemptions"] > 0
+    for (p, params), s in zip(requests, seqs):
+        assert (s.output_ids, s.finish_reason) == run_alone(tiny, p, params)
+    plain = [run_alone(tiny, p, SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                                               seed=params.seed, ignore_eos=True))[0]
+             for p, params in requests]  # fmt: skip
+    assert sum(s.output_ids != ids for s, ids in zip(seqs, plain)) >= 12
+    greedy_plain = [ids for ids, (_, params) in zip(plain, requests) if params.greedy]
+    greedy = [s.output_ids for s, (_, params) in zip(seqs, requests) if params.greedy]
+    # the repetition penalty makes the greedy text repeat itself less
+    assert sum(len(set(ids)) for ids in greedy) > sum(len(set(ids)) for ids in greedy_plain)
+
+
+def test_logprobs_are_log_softmax_of_the_engine_logits(tiny, monkeypatch):
+    """Each token's reported logprob is log_softmax of the logits the engine sampled it from (with
+    its penalties and bias applied), its alternatives are the top-k of that distribution, best
+    first; a request that did not ask gets none, and one per token is reported for those that did."""
+    engine = new_engine(tiny, max_num_seqs=3)
+    seen: dict[str, list[torch.Tensor]] = {}
+    sample = engine.sampler.sample
+
+    def spy(logits, seqs):
+        for row, seq in zip(logits, seqs):
+            seen.setdefault(seq.request_id, []).append(row.float().clone())
+        return sample(logits, seqs)
+
+    monkeypatch.setattr(engine.sampler, "sample", spy)
+    rng = random.Random(10)
+    asked = [SamplingParams(max_tokens=8, temperature=0.0, logprobs=4, ignore_eos=True),
+             SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=0, ignore_eos=True, logit_bias=((65, 3.0),),
+                            frequency_penalty=1.0)]  # fmt: skip
+    seqs = [engine.add_request(prompt(rng, 6), params) for params in asked]
+    quiet = engine.add_request(prompt(rng, 6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    reported: dict[str, list] = {s.request_id: [] for s in [*seqs, quiet]}
+    while engine.has_work():
+        for event in engine.step():
+            assert (event.logprobs is None) == (event.request_id == quiet.request_id)
+            reported[event.request_id] += event.logprobs or []
+    assert reported[quiet.request_id] == []
+    for seq in seqs:
+        lps = reported[seq.request_id]
+        assert len(lps) == len(seq.output_ids) == 8
+        for i, (token, lp) in enumerate(zip(seq.output_ids, lps)):
+            raw = seen[seq.request_id][i]
+            p = seq.params
+            if p.penalized or p.logit_bias:  # what the sampler did to the logits, by the formulas
+                history = torch.bincount(torch.tensor(seq.output_ids[:i], dtype=torch.int64), minlength=raw.numel())
+                raw = raw - p.frequency_penalty * history
+                for t, bias in p.logit_bias:
+                    raw[t] += bias
+            ref = raw.double().log_softmax(0)
+            assert lp.logprob == pytest.approx(ref[token].item(), abs=1e-4)
+            assert [t for t, _ in lp.top] == ref.topk(p.logprobs).indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(ref.topk(p.logprobs).values.tolist(), abs=1e-4)
+    assert seqs[0].output_ids == [int(r.argmax()) for r in seen[seqs[0].request_id]]
+
+
+async def test_streamed_logprobs_follow_the_tokens_returned(tiny, start, monkeypatch):
+    """Streamed logprobs come one per token returned, merged across steps; a stop string that cuts
+    the tokens cuts their logprobs with them."""
+    p, ids, stop, _ = _stop_string_case(tiny)
+    engine = new_engine(tiny, max_num_seqs=2)
+    slow_steps(monkeypatch, engine, 0.005)
+    runner = start(engine)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, logprobs=2)
+    whole = []
+    async for event in runner.submit(p, params, interval_s=0.02):
+        assert len(event.logprobs) == len(event.token_ids)
+        whole += event.logprobs
+    assert len(whole) == 50
+    cut_ids, cut = [], []
+    async for event in runner.submit(p, SamplingParams(**{**params.__dict__, "stop": (stop,)})):
+        assert len(event.logprobs) == len(event.token_ids)
+        cut_ids += event.token_ids
+        cut += event.logprobs
+    assert 0 < len(cut_ids) < 50 and cut == whole[: len(cut_ids)]
+
+
+async def test_submit_rejects_logit_bias_outside_the_vocabulary(tiny, start):
+    runner = start(new_engine(tiny, max_num_seqs=1))
+    vocab = tiny.model.cfg.vocab_size
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        runner.submit([BOS, 1], SamplingParams(logit_bias=((vocab, 1.0),)))
+    r = await asyncio.wait_for(
+        collect(runner.submit([BOS, 1], SamplingParams(max_tokens=2, logit_bias=((vocab - 1, 1.0),)))), 30
+    )
+    assert r.completion_tokens >= 1

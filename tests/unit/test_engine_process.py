@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.engine_fixtures import Tiny, load_tiny, run_alone
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.modeling.config import CheckpointError
 from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig
@@ -85,6 +85,27 @@ async def test_streams_match_the_in_process_engine(tiny, shared):
     for (prompt, params), (ids, text, reason, _) in zip(batch, results):
         assert (ids, reason) == run_alone(tiny, prompt, params)
         assert text == tiny.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_penalties_and_logprobs_cross_the_pipe(tiny, shared):
+    """A request with penalties, a logit_bias and logprobs streams from the child the tokens and,
+    token by token, the logprobs the same request gets from an engine in this process."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, presence_penalty=1.0,
+                            repetition_penalty=1.3, logit_bias=((70, 4.0),), logprobs=3)  # fmt: skip
+    prompt = [BOS, 9, 8, 7]
+    ids, logprobs = [], []
+    async for event in shared.submit(prompt, params, interval_s=0.01):
+        ids += event.token_ids
+        logprobs += event.logprobs
+    engine = new_engine(tiny, max_num_seqs=1)
+    seq = engine.add_request(prompt, params)
+    local = []
+    while engine.has_work():
+        local += [lp for event in engine.step() for lp in event.logprobs]
+    assert ids == seq.output_ids and len(logprobs) == len(local) == 12
+    for got, want in zip(logprobs, local):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
 
 
 async def test_status_comes_from_the_child(shared):

@@ -3,11 +3,11 @@ prefill's activations and the graphs, not from max_num_seqs x max_model_len.
 
 On CUDA a profile prefill of the largest size the engine runs (into a one-page cache, so it costs
 no pool memory) measures the activation peak; the pool then takes `kv_cache_memory_fraction` of
-the memory free after that, less the peak and the graph memory budget. More pages than every slot
-at max_model_len could use are never allocated. An explicit `kv_cache_tokens` overrides both, and
-on CPU (no device memory to measure) the pool holds every slot at max_model_len. With tensor
-parallelism every rank sizes its own pool and they take the smallest, because rank 0's block
-manager hands out page numbers for all of them.
+the memory free after that, less the peak, the graph memory budget and the sampler's token
+history. More pages than every slot at max_model_len could use are never allocated. An explicit
+`kv_cache_tokens` overrides both, and on CPU (no device memory to measure) the pool holds every slot
+at max_model_len. With tensor parallelism every rank sizes its own pool and they take the smallest,
+because rank 0's block manager hands out page numbers for all of them.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def plan_num_pages(
     kv_cache_tokens: int | None,
     memory_fraction: float,
     max_prefill_tokens: int,
-    graph_reserve_bytes: int,
+    reserved_bytes: int,
 ) -> int:
-    """Pages of this rank's pool, the scratch page included."""
+    """Pages of this rank's pool, the scratch page included; `reserved_bytes` is what other
+    allocations (the graphs' budget, the sampler's token history) are left."""
     useful = 1 + max_num_seqs * pages_needed(model.max_model_len, page_size)
     if kv_cache_tokens is not None:
         return 1 + pages_needed(kv_cache_tokens, page_size)
@@ -75,7 +76,7 @@ def plan_num_pages(
     peak = activation_peak_bytes(model, max_prefill_tokens, max_num_seqs, page_size)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    budget = memory_fraction * free - peak - graph_reserve_bytes
+    budget = memory_fraction * free - peak - reserved_bytes
     page_bytes = model.kv_bytes_per_token() * page_size
     return min(useful, max(0, int(budget // page_bytes)))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from policies.dispatch import FallbackReason
 from workers.serving.detokenizer import IncrementalDetokenizer
 from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
-from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob
 from workers.serving.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ class RequestFailed(RuntimeError):
 
 @dataclass
 class StreamEvent:
-    """What a consumer sees: the new token ids and text of one read, and the counts so far."""
+    """What a consumer sees: the new token ids and text of one read, and the counts so far (and
+    the new tokens' logprobs, for a request that asked for them)."""
 
     request_id: str
     token_ids: list[int]
@@ -51,6 +52,7 @@ class StreamEvent:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
@@ -158,6 +160,7 @@ class StreamFront(ABC):
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
         self.limits.check_prompt(prompt_ids)
+        self.limits.check_params(params)
         if request_id is not None and request_id in self._streams:
             # a second sequence under one id would orphan the first's stream and KV slot
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
@@ -195,7 +198,8 @@ class StreamFront(ABC):
                 if reason is not None:
                     text += "" if hit_stop else detok.flush()
                     finished = True
-                yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason)
+                logprobs = item.logprobs[: len(token_ids)] if item.logprobs is not None else None
+                yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason, logprobs)
                 if interval_s and not finished:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stream.ended.wait(), interval_s)
@@ -229,7 +233,11 @@ class StreamFront(ABC):
             following = events.get_nowait()
             if isinstance(following, BaseException):
                 raise following
-            item = TokenEvent(item.request_id, item.token_ids + following.token_ids, following.finish_reason)
+            logprobs = None  # an abort's event has none even where the request's other events have
+            if item.logprobs is not None or following.logprobs is not None:
+                logprobs = (item.logprobs or []) + (following.logprobs or [])
+            item = TokenEvent(item.request_id, item.token_ids + following.token_ids, following.finish_reason,
+                              logprobs=logprobs)  # fmt: skip
 
     def _emit(self, events: list[TokenEvent]) -> None:
         """From the step loop's side: hand one step's events to the event loop."""

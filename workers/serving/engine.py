@@ -25,7 +25,8 @@ from workers.modeling.config import DTYPES, ModelConfig, load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.modeling.lora import AdapterError, LoraLimits, load_adapter
 from workers.modeling.model import LlamaModel
-from workers.serving.sampling import InvalidRequest, SamplingParams, sample
+from workers.serving.batch_sampler import BatchSampler
+from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, sample
 from workers.serving.scheduler import Scheduler, Sequence, new_sequence
 from workers.serving.stats import CallTimer, EngineStats
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
@@ -88,12 +89,14 @@ class EngineStatus:
 @dataclass
 class TokenEvent:
     """New tokens of one request from one engine step; finish_reason is set on its last event,
-    and error too when the request failed (its stream raises it)."""
+    and error too when the request failed (its stream raises it). logprobs, for a request that
+    asked for them: one per token."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: BaseException | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,8 +107,8 @@ def resolve_device(name: str) -> torch.device:
 
 def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     """What every rank does to a loaded model before capture: pick the attention backend, allocate
-    the LoRA slots if enabled, and then the paged KV pool (sized by `kv_sizing.py` from what is left,
-    the same on every rank)."""
+    the LoRA slots if enabled, and then the paged KV pool (sized by `kv_sizing.py` from what is left
+    after the graph budget and the sampler's token history, the same on every rank)."""
     device = model.embed.weight.device
     model.attention_backend = make_backend(config.attention_backend, device)
     if config.lora is not None:
@@ -115,9 +118,10 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     max_num_seqs = config.batch_limit(device)
     policy = config.graph_policy
     graph_reserve = int(policy.graph_memory_budget_mb * MB) if policy.mode != "eager" else 0
+    reserve = graph_reserve + BatchSampler.history_bytes(max_num_seqs, model.cfg.vocab_size)
     num_pages = plan_num_pages(
         model, max_num_seqs, config.kv_page_size, config.kv_cache_tokens, config.kv_cache_memory_fraction,
-        config.max_prefill_tokens, graph_reserve,
+        config.max_prefill_tokens, reserve,
     )  # fmt: skip
     return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
 
@@ -182,6 +186,7 @@ class LLMEngine:
             blocks=BlockManager(self.cache.num_pages, self.cache.page_size, reserved=1),
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
+        self.sampler = BatchSampler(self.cache.num_slots, model.cfg.vocab_size, self.device)
         self.runners = make_runners(model, self.cache, config.graph_policy)
         self.runner = self.runners.base
         self.adapter_slots = AdapterSlots(model.lora.max_loras) if model.lora else None
@@ -201,7 +206,8 @@ class LLMEngine:
         first prefill pays one-time set-up, and on CUDA a prefill of a new total length loads
         kernels not used before (both measured in `bench/results/prefill_shapes_h200.md`): a ladder
         of sizes up to the largest prefill moves that cost from the first requests to startup.
-        Greedy and filtered sampling run once each for the same reason."""
+        Greedy and filtered sampling run once each for the same reason, and so do penalties,
+        logit_bias and logprobs."""
         ladder = prefill_sizes(self.config.max_prefill_tokens, self.max_model_len)
         for lens in ladder if self.device.type == "cuda" else ladder[:1]:
             batch = PrefillInputs.scratch(lens, self.cache.scratch_slot)
@@ -214,6 +220,7 @@ class LLMEngine:
         rows = len(lens)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
             sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
+        self.sampler.warm(logits)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
@@ -408,6 +415,7 @@ class LLMEngine:
         batch = PrefillInputs.of(seqs, self.scheduler.take_edits())
         self._send(PREFILL, batch)
         logits = self.runners.of(batch).prefill(batch)
+        self.sampler.admit(seqs)
         self._accept(seqs, logits, events)
         self.stats.record_prefill(len(seqs), len(batch.tokens))
 
@@ -452,20 +460,21 @@ class LLMEngine:
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor, events: dict[str, TokenEvent]) -> None:
         """Sample one token per sequence, record it, and retire sequences that are done."""
-        drawn = sample(
-            logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs]
-        ).tolist()
+        drawn, logprobs = self.sampler.sample(logits, seqs)
         now = time.monotonic()
         if self.adapter_slots is not None:
             self.stats.record_adapter_tokens(Counter(s.adapter[0] for s in seqs if s.adapter is not None))
-        for seq, token in zip(seqs, drawn):
+        for i, (seq, token) in enumerate(zip(seqs, drawn)):
             p = seq.params
-            event = events.setdefault(seq.request_id, TokenEvent(seq.request_id, []))
+            kept = None if p.logprobs is None else []  # the logprobs of its tokens, when it asked for them
+            event = events.setdefault(seq.request_id, TokenEvent(seq.request_id, [], logprobs=kept))
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 self._retire(seq, "stop", event)
                 continue
             seq.output_ids.append(token)
             event.token_ids.append(token)
+            if event.logprobs is not None:
+                event.logprobs.append(logprobs[i])
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
             if len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:

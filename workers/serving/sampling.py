@@ -5,15 +5,22 @@ computed with 32-bit integer arithmetic that is exact on CPU and GPU alike. A se
 therefore draws the same tokens whatever else shares its batch, whichever bucket it lands in, and on
 either device, with no generator state to carry between steps. Sampling is Gumbel-max over the
 temperature-scaled logits after top-k and then top-p filtering, which draws exactly from that
-filtered softmax.
+filtered softmax. Penalties and logit_bias change the logits before that (`batch_sampler.py` keeps the
+token history they need); the noise is the same with or without them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request at most: each costs host work every step
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as: JSON has no infinity
 MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B
 _GOLDEN = 0x9E3779B1
@@ -33,6 +40,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's, over the tokens generated so far
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF's and vLLM's, over the prompt's and the generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: none; k: the drawn token's logprob and the k most likely tokens'
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -48,10 +60,48 @@ class SamplingParams:
             raise InvalidRequest(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
+        self._check_penalties()
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token!r}: {bias!r}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes this request's logits (then its token history is kept)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+class TokenLogprob(NamedTuple):
+    """One drawn token's logprob and the most likely tokens' (id, logprob), best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request for n choices: the request's own for choice 0 (so
+    n = 1 draws what it always drew), else a hash of (seed, index) in [0, 2**63)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +132,33 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     # Rows without top-p keep everything: float rounding of the cumulative mass must not cut their tail.
     values = values.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, values)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    in_prompt: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Rows (rows, vocab) with HF's repetition penalty on every token seen (in the prompt or
+    generated: positive logits divided by it, negative ones multiplied), then OpenAI's frequency
+    and presence penalties on the generated ones: logit - frequency * count - presence * (count > 0).
+    `counts` holds each row's generated-token counts, `in_prompt` its prompt's tokens; the
+    penalties are per row, (rows,)."""
+    generated = counts > 0
+    rep = repetition[:, None]
+    logits = torch.where(in_prompt | generated, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * generated
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """(the drawn tokens' logprobs (rows,), the k highest logprobs (rows, k), their token ids) of
+    log_softmax(logits) in fp32."""
+    logprobs = logits.float().log_softmax(dim=-1).clamp(min=LOGPROB_FLOOR)
+    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:

@@ -88,6 +88,11 @@ class RequestLimits:
         if self.vocab_size is not None and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """A logit_bias token outside the vocabulary would fail the batched step, as a prompt id would."""
+        if self.vocab_size is not None and any(token >= self.vocab_size for token, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})")
+
 
 class Scheduler:
     def __init__(
@@ -119,6 +124,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.limits.check_prompt(seq.prompt_ids)
+        self.limits.check_params(seq.params)
         if self.find(seq.request_id) is not None:
             raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
         if self.num_unfinished >= self.limits.capacity:

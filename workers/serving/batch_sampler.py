@@ -1,0 +1,113 @@
+"""The engine's sampler over a batch of sequences: penalties and logit_bias on the step's logits,
+the draw (`sampling.sample`), then the logprobs asked for, all outside the captured step.
+
+Penalties need each sequence's token history, kept on the device with one row per sequence slot:
+the counts of its generated tokens and a mask of its prompt's tokens. A row is filled when its
+sequence is prefilled (again after a preemption, from its prompt and output so far) and each step's
+drawn tokens are added by one scatter on the device, so no history crosses to the host per step.
+Each part runs only when some row of the batch asks for it: a batch without penalties, logit_bias
+or logprobs costs what sampling alone does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.serving.sampling import SamplingParams, TokenLogprob, apply_penalties, sample, token_logprobs
+from workers.serving.scheduler import Sequence, new_sequence
+
+# What `warm` runs once: every part, so a process's first penalized request does not load kernels.
+WARM_PARAMS = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                             logit_bias=((0, 1.0),), logprobs=5)  # fmt: skip
+
+
+class BatchSampler:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.counts = torch.zeros(num_slots, vocab_size, device=device)  # fp32 counts: exact far past any length
+        self.in_prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+
+    @staticmethod
+    def history_bytes(num_slots: int, vocab_size: int) -> int:
+        """Device memory of the token history (what the KV pool's sizing leaves for it)."""
+        return num_slots * vocab_size * (4 + 1)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Fill the history rows of the penalized sequences among those just given their slots."""
+        for seq in seqs:
+            if seq.params.penalized:
+                self._load(seq)
+
+    def _load(self, seq: Sequence) -> None:
+        device = self.counts.device
+        self.counts[seq.slot].zero_()
+        self.in_prompt[seq.slot].zero_()
+        self.in_prompt[seq.slot, torch.tensor(seq.prompt_ids, device=device)] = True
+        if seq.output_ids:
+            ids = torch.tensor(seq.output_ids, device=device)
+            self.counts[seq.slot].index_add_(0, ids, torch.ones(len(ids), device=device))
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """One token per sequence, and each token's logprobs for the rows that asked (None where none
+        did). Logprobs are of the logits as penalties and logit_bias left them, before temperature."""
+        params = [s.params for s in seqs]
+        logits = logits.float()
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            logits = self._penalize(logits, seqs, penalized)
+        if any(p.logit_bias for p in params):
+            logits = self._bias(logits, params)
+        tokens = sample(logits, params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
+        if penalized:
+            self._record(seqs, penalized, tokens)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = self._logprobs(logits, tokens, params, wanted) if wanted else None
+        return tokens.tolist(), logprobs
+
+    def warm(self, logits: torch.Tensor) -> None:
+        """Run every part once on one row (slot 0, whose history the next sequence there refills)."""
+        seq = new_sequence([0], WARM_PARAMS)
+        seq.slot = 0
+        self._load(seq)
+        self.sample(logits[:1], [seq])
+
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        device = logits.device
+        index = torch.tensor([rows, [seqs[i].slot for i in rows]], device=device)
+        p = [seqs[i].params for i in rows]
+        presence, frequency, repetition = torch.tensor(
+            [[x.presence_penalty for x in p], [x.frequency_penalty for x in p], [x.repetition_penalty for x in p]],
+            device=device,
+        )
+        slots = index[1]
+        penalized = apply_penalties(logits[index[0]], self.counts[slots], self.in_prompt[slots], presence, frequency,
+                                    repetition)  # fmt: skip
+        return logits.index_put((index[0],), penalized)
+
+    @staticmethod
+    def _bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        entries = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias]
+        rows, ids, biases = zip(*entries)
+        index = torch.tensor([rows, ids], device=logits.device)
+        return logits.index_put((index[0], index[1]), torch.tensor(biases, device=logits.device), accumulate=True)
+
+    def _record(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> None:
+        """Count the drawn tokens in their rows' history (a token that ends its sequence is counted
+        too: nothing reads that row before the slot's next sequence refills it)."""
+        device = tokens.device
+        index = torch.tensor([rows, [seqs[i].slot for i in rows]], device=device)
+        self.counts.index_put_((index[1], tokens[index[0]]), torch.ones(len(rows), device=device), accumulate=True)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], rows: list[int]
+    ) -> list[TokenLogprob | None]:
+        index = torch.tensor(rows, device=logits.device)
+        chosen, top_values, top_ids = token_logprobs(
+            logits[index], tokens[index], max(params[i].logprobs for i in rows)
+        )
+        values = torch.cat([chosen[:, None], top_values], dim=1).tolist()
+        out: list[TokenLogprob | None] = [None] * len(params)
+        for i, row_values, ids in zip(rows, values, top_ids.tolist()):
+            k = params[i].logprobs
+            out[i] = TokenLogprob(row_values[0], list(zip(ids[:k], row_values[1 : k + 1])))
+        return out
