@@ -40,6 +40,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with an fp32 result from bf16/fp16 inputs: on CUDA one GEMM accumulating and
+    writing fp32 (no fp32 copy of the weight); on the CPU, which lacks that GEMM, upcast per call."""
+    if weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    if not x.is_cuda:
+        return F.linear(x.float(), weight.float())
+    return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
@@ -181,10 +191,12 @@ class LlamaModel(nn.Module):
         return m
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits: rounded to bf16 (steps of 0.125 near 25), a real model's top two tokens tie
+        often enough to change greedy answers."""
         h = rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps)
         if self.lm_head is None:
-            return F.linear(h, self.embed.weight)
-        return self.lm_head(h)[..., : self.cfg.vocab_size]
+            return fp32_linear(h, self.embed.weight)
+        return self.tp.all_gather_last_dim(fp32_linear(h, self.lm_head.weight))[..., : self.cfg.vocab_size]
 
     def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor):
         """Hidden states and the rope cos/sin rows for these tokens."""
