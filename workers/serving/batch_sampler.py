@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from workers.serving.sampling import SamplingParams, TokenLogprob, apply_penalties, sample, token_logprobs
+from workers.serving.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    sample,
+    token_logprobs,
+)
 from workers.serving.scheduler import Sequence, new_sequence
 
-# What `warm` runs once: every part, so a process's first penalized request does not load kernels.
-WARM_PARAMS = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                             logit_bias=((0, 1.0),), logprobs=5)  # fmt: skip
+# Every part at once: what warm-up runs (a process's first use of each loads kernels) and what the
+# KV pool's sizing measures the peak memory of.
+EVERY_PART = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                            repetition_penalty=1.1, logit_bias=((0, 1.0),), logprobs=MAX_LOGPROBS)  # fmt: skip
 
 
 class BatchSampler:
@@ -64,12 +72,14 @@ class BatchSampler:
         logprobs = self._logprobs(logits, tokens, params, wanted) if wanted else None
         return tokens.tolist(), logprobs
 
-    def warm(self, logits: torch.Tensor) -> None:
-        """Run every part once on one row (slot 0, whose history the next sequence there refills)."""
-        seq = new_sequence([0], WARM_PARAMS)
-        seq.slot = 0
-        self._load(seq)
-        self.sample(logits[:1], [seq])
+    def probe(self, rows: int) -> list[Sequence]:
+        """Sequences in slots 0 to rows - 1 asking for every part, their history loaded (the next
+        sequence in each of those slots refills it)."""
+        seqs = [new_sequence([0], EVERY_PART) for _ in range(rows)]
+        for slot, seq in enumerate(seqs):
+            seq.slot = slot
+            self._load(seq)
+        return seqs
 
     def _penalize(self, logits: torch.Tensor, index: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         values = [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params]
