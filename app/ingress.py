@@ -9,7 +9,9 @@ import re
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic.json_schema import models_json_schema
 from pydantic_core import from_json
 from ray import serve
 from starlette.exceptions import HTTPException
@@ -19,7 +21,7 @@ from app import auth
 from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
 from app.controller import ControllerClient, ControllerUnavailable
 from app.metrics import render
-from app.openai_protocol import ChatRequest, CompletionRequest, ResponseShape, error_body, error_response
+from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import model_name
@@ -29,6 +31,28 @@ api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
 RETRY_AFTER = {"Retry-After": "5"}
 SWAP_RETRY_S = 0.05
 MAX_RECOMMENDED_BUCKETS = 64
+SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _openapi() -> dict:
+    """FastAPI's schema plus the OpenAI request bodies: their handlers parse the body themselves
+    (strict JSON, OpenAI's 400s), so FastAPI does not see the models on its own."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatRequest)],
+                                     ref_template=SCHEMA_REF)  # fmt: skip
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+def _body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra` declaring its JSON body as `model`."""
+    ref = {"$ref": SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+api.openapi = _openapi
 
 
 @api.exception_handler(HTTPException)
@@ -217,11 +241,11 @@ class Ingress:
         return {"root": ready[0].get("model") or model_name(None), "revision": revisions[0] if len(revisions) == 1 else
                 revisions, "max_model_len": min(s.get("max_model_len", 0) for s in ready)}  # fmt: skip
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionRequest)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_body(ChatRequest))
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, ChatRequest)
 
@@ -251,6 +275,7 @@ class Ingress:
             "kind": "chat" if chat else "completion",
             "sampling": req.sampling(),
             "adapter": adapter,
+            "n": req.n,
         }
         if chat:
             payload["messages"] = [m.for_template() for m in req.messages]
@@ -263,7 +288,7 @@ class Ingress:
             return error_response(
                 first["status"], first["error"], headers=RETRY_AFTER if first["status"] == 503 else None
             )
-        shape = ResponseShape(chat, req.model)
+        shape = ResponseShape(chat, req.model, req.n, payload["sampling"]["logprobs"] is not None)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream")
@@ -291,37 +316,42 @@ class Ingress:
     async def _stream(self, shape: ResponseShape, first: dict, items, include_usage: bool) -> AsyncIterator[bytes]:
         """SSE events, one write per item; the final chunk, the usage and [DONE] leave in one write
         (every write is an item through the proxy, and at high concurrency streams end together).
-        A stream the server cannot finish ends with an error event in OpenAI's shape, then [DONE]."""
-        last, tail = first, b""
+        With n choices, items carry their choice's index and the last choice to end sends the final
+        chunk. A stream the server cannot finish ends with an error event in OpenAI's shape, then [DONE]."""
+        tail, started, ended, completion_tokens = b"", set(), set(), {}
         async for item in _chain_items(first, items):
             if "error" in item:
                 yield _sse(error_body(item["status"], item["error"])) + _sse("[DONE]")
                 return
-            last = item
-            if item["text"] or item is first or item["finish_reason"] is not None:
-                event = _sse(shape.chunk(item["text"], item["finish_reason"], first=item is first))
-                if item["finish_reason"] is None:
+            index = item.get("index", 0)
+            completion_tokens[index] = item["completion_tokens"]
+            opening = index not in started
+            if item["text"] or opening or item["finish_reason"] is not None or item.get("logprobs"):
+                started.add(index)
+                event = _sse(shape.chunk(item["text"], item["finish_reason"], opening, index, item.get("logprobs")))
+                if item["finish_reason"] is not None:
+                    ended.add(index)
+                if len(ended) < shape.n:
                     yield event
                 else:
                     tail = event
-        if last["finish_reason"] is None:  # the replica's stream stopped short of its end
+        if len(ended) < shape.n:  # the replica's stream stopped short of its end
             yield _sse(error_body(_REPLICA_GONE["status"], _REPLICA_GONE["error"])) + _sse("[DONE]")
             return
         if include_usage:
-            tail += _sse(shape.usage_chunk(last["prompt_tokens"], last["completion_tokens"]))
+            tail += _sse(shape.usage_chunk(first["prompt_tokens"], sum(completion_tokens.values())))
         yield tail + _sse("[DONE]")
 
     async def _collect(self, shape: ResponseShape, first: dict, items) -> Response:
         """The whole completion, or a 503 with Retry-After when the server could not finish it."""
-        text, last = "", first
+        choices = [Choice() for _ in range(shape.n)]
         async for item in _chain_items(first, items):
             if "error" in item:
                 return error_response(item["status"], item["error"], headers=RETRY_AFTER)
-            text += item["text"]
-            last = item
-        if last["finish_reason"] is None:
+            choices[item.get("index", 0)].add(item)
+        if any(c.finish_reason is None for c in choices):
             return error_response(_REPLICA_GONE["status"], _REPLICA_GONE["error"], headers=RETRY_AFTER)
-        return JSONResponse(shape.whole(text, last["finish_reason"], last["prompt_tokens"], last["completion_tokens"]))
+        return JSONResponse(shape.whole(choices, first["prompt_tokens"]))
 
     # -- admin API ---------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible request schemas, error bodies and response shapes.
 
-Requests are validated strictly: unknown fields and values we cannot honour (n > 1, logprobs, tools,
-a JSON response format, ...) are a 400 naming the field, never silently ignored, and every field
+Requests are validated strictly: unknown fields and values we cannot honour (n > 16, tools, a JSON
+response format, ...) are a 400 naming the field, never silently ignored, and every field
 takes only its own JSON type (no "1.5" for a number, no true for 1, no number for a string). Fields
 that do not change what is generated (store, metadata, user, service_tier, parallel_tool_calls) are
 accepted and have no effect.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,12 +23,16 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
+from workers.serving.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+
 STOP_MAX_CHARS = 512  # the longest stop string accepted (characters); the README's API section says so
+MAX_N = 16  # choices per request at most
 STRICT = ConfigDict(extra="forbid", strict=True)  # strict: no lax coercion ("1.5" -> 1.5, true -> 1)
 
 
@@ -73,11 +78,13 @@ class SamplingFields(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[Literal[1], _json_type("an integer", int)] = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     user: StrictStr | None = None
     ignore_eos: StrictBool = False  # vLLM-compatible extension (benchmarks): generate max_tokens regardless
-    presence_penalty: Annotated[Literal[0, 0.0], _json_type("a number", int, float)] = 0.0
-    frequency_penalty: Annotated[Literal[0, 0.0], _json_type("a number", int, float)] = 0.0
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension (HF semantics)
+    logit_bias: dict[StrictStr, StrictFloat] | None = None
     # accepted, and they change nothing that is generated
     store: StrictBool | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
@@ -93,18 +100,34 @@ class SamplingFields(BaseModel):
             raise ValueError(f"a stop string may be at most {STOP_MAX_CHARS} characters long")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        """Token ids as decimal strings, biases in [-100, 100]; ids beyond the vocabulary are the
+        replica's 400 (only it knows the vocabulary)."""
+        if len(v or {}) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in (v or {}).items():
+            if not token.isascii() or not token.isdigit() or len(token) > 9:
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {token[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        return v
+
     def sampling(self) -> dict[str, Any]:
         """Sampling fields for the replica; max_tokens None = the endpoint's default, which the
         replica fits to the room the prompt leaves."""
         return dict(max_tokens=self.max_tokens, temperature=self.temperature,
                     top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
-                    ignore_eos=self.ignore_eos)  # fmt: skip
+                    ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                    logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()))  # fmt: skip
 
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictInt]
     echo: Annotated[Literal[False], _json_type("a boolean", bool)] = False
-    logprobs: None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -112,6 +135,10 @@ class CompletionRequest(SamplingFields):
         if not v:
             raise ValueError("prompt must not be empty")
         return v
+
+    def sampling(self) -> dict[str, Any]:
+        """logprobs: how many alternatives each token lists (None: no logprobs)."""
+        return {**super().sampling(), "logprobs": self.logprobs}
 
 
 class TextPart(BaseModel):
@@ -151,7 +178,8 @@ class ResponseFormat(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: Annotated[Literal[False] | None, _json_type("a boolean or null", bool, type(None))] = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     parallel_tool_calls: StrictBool | None = None  # meaningless without tools, which are refused
     tools: None = None
@@ -172,9 +200,17 @@ class ChatRequest(SamplingFields):
                              'only {"type": "text"}')  # fmt: skip
         return v
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
     def sampling(self) -> dict[str, Any]:
         fields = super().sampling()
         fields["max_tokens"] = self.max_completion_tokens or fields["max_tokens"]
+        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         return fields
 
 
@@ -183,35 +219,93 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-class ResponseShape:
-    """Builds the JSON of one completion or chat completion, whole or as stream chunks."""
+@dataclass
+class Choice:
+    """One choice of a whole response, collected from the replica's items for it."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+
+    def add(self, item: dict) -> None:
+        self.text += item["text"]
+        self.finish_reason = item["finish_reason"]
+        self.completion_tokens = item["completion_tokens"]
+        self.logprobs.extend(item.get("logprobs") or ())
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode())
+
+
+def _by_token(top: list) -> dict[str, float]:
+    """Legacy top_logprobs, token -> logprob: of tokens that read the same (bytes of different
+    characters each read as U+FFFD alone), the more likely one's."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(token, logprob)
+    return out
+
+
+class ResponseShape:
+    """Builds the JSON of one completion or chat completion, whole or as stream chunks. Logprobs
+    come from the replica as {"token", "logprob", "top": [[token, logprob], ...]} per token."""
+
+    def __init__(self, chat: bool, model: str, n: int = 1, logprobs: bool = False) -> None:
         self.chat = chat
         self.model = model
+        self.n = n
+        self.logprobs = logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self._text_offset = [0] * n  # completions: where each choice's next token starts in its text
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice.update(text=text, logprobs=None)
-        return {**self._base(self.object), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+    def whole(self, choices: list[Choice], prompt_tokens: int) -> dict:
+        out = []
+        for index, c in enumerate(choices):
+            choice: dict[str, Any] = {"index": index, "finish_reason": c.finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choice["logprobs"] = self._logprobs(index, c.logprobs)
+            out.append(choice)
+        completion_tokens = sum(c.completion_tokens for c in choices)
+        return {**self._base(self.object), "choices": out, "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    def chunk(
+        self, text: str, finish_reason: str | None, first: bool = False, index: int = 0, logprobs: list | None = None
+    ) -> dict:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            choice.update(text=text, logprobs=None)
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(index, logprobs or [])
         return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def _logprobs(self, index: int, tokens: list[dict]) -> dict | None:
+        """OpenAI's logprobs of these tokens of choice `index`: chat's content list, or the legacy
+        completions shape (its text_offset counting on from the choice's earlier chunks)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            content = [{"token": t["token"], "logprob": t["logprob"], "bytes": _token_bytes(t["token"]),
+                        "top_logprobs": [{"token": a, "logprob": lp, "bytes": _token_bytes(a)} for a, lp in t["top"]]}
+                       for t in tokens]  # fmt: skip
+            return {"content": content, "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(t["token"])
+        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": [_by_token(t["top"]) for t in tokens], "text_offset": offsets}  # fmt: skip

@@ -11,6 +11,7 @@ item per token through the ingress hop would not keep up at high concurrency.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
@@ -33,7 +34,7 @@ from policies.rollout import CohortRule, graph_denial
 from workers.modeling.lora import LoraLimits
 from workers.serving.async_engine import EngineDeadError, RequestFailed, StreamEvent
 from workers.serving.engine import EngineConfig
-from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
@@ -287,31 +288,35 @@ class LLMReplica:
         return {"replica_id": self.replica_id, **report}
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Items: {"error", "status"} alone, or {"text", "finish_reason", "prompt_tokens",
-        "completion_tokens"} chunks, possibly ended by an {"error", "status"} item when the engine
-        failed mid-stream. The first item is sent as soon as it exists."""
+        """Items: {"error", "status"} alone, or {"index", "text", "finish_reason", "prompt_tokens",
+        "completion_tokens", "logprobs"} chunks of the request's n choices (the counts are the
+        choice's own; logprobs None unless asked for), possibly ended by an {"error", "status"} item
+        when the engine failed mid-stream. The first item is sent as soon as it exists."""
         if self.draining:  # not counted: the ingress sends it to another replica
             yield {"error": "this replica is swapping its model", "status": 503, "swapping": True}
             return
         tenant = request["tenant"]
         request_id = uuid.uuid4().hex
+        n = request.get("n", 1)
+        choice_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         start = time.monotonic()
-        outcome, stream = "cancelled", None  # cancelled unless it ends otherwise (its client left)
-        self.tenant_of[request_id] = tenant
+        outcome, streams = "cancelled", []  # cancelled unless it ends otherwise (its client left)
+        self.tenant_of.update(dict.fromkeys(choice_ids, tenant))
         cohort = COHORTS.get(self._denial(tenant, request_id))  # the rollout cohort it starts in, if any
         try:
             try:
                 prompt_ids = tokenize(self.tokenizer, request)
                 sampling = dict(request["sampling"])
-                sampling["max_tokens"] = fit_max_tokens(
+                max_tokens = fit_max_tokens(
                     request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status.max_model_len
                 )
+                sampling["max_tokens"] = fit_choices(n, max_tokens, sampling["max_tokens"] is not None,
+                                                     len(prompt_ids), self.engine_status.kv_cache)  # fmt: skip
                 adapter = tuple(request["adapter"]) if request.get("adapter") else None
                 if adapter is not None:
                     await self._note_adapter(adapter[0])
-                first, stream = await self._first_event(
-                    prompt_ids, SamplingParams(**sampling), request_id, tenant, adapter
-                )
+                params = [SamplingParams(**choice_sampling(sampling, i)) for i in range(n)]
+                streams = await self._first_events(prompt_ids, params, choice_ids, tenant, adapter)
             except InvalidRequest as e:
                 outcome = "invalid"
                 yield {"error": str(e), "status": 400}
@@ -325,21 +330,25 @@ class LLMReplica:
                 log.error("replica %s: request %s failed in the engine: %s", self.replica_id, request_id, e)
                 yield {"error": "the engine failed to run this request", "status": 500}
                 return
-            first_at = None
+            first_at, ended = None, 0
             try:
-                async for event in _chain(first, stream):
+                async for index, event in _merged(streams):
                     now = time.monotonic()
                     if first_at is None and event.completion_tokens:
                         first_at = now
                         self.metrics.ttft.observe(now - start)
+                    logprobs = logprob_items(self.tokenizer, event) if params[index].logprobs is not None else None
                     yield {
+                        "index": index,
                         "text": event.text,
                         "finish_reason": event.finish_reason,
                         "prompt_tokens": event.prompt_tokens,
                         "completion_tokens": event.completion_tokens,
+                        "logprobs": logprobs,
                     }
                     if event.finish_reason is not None:
-                        outcome = "ok"
+                        ended += 1
+                        outcome = "ok" if ended == n else outcome
                         if first_at is not None and event.completion_tokens > 1:
                             self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
                     if event.finish_reason == "abort" and self.draining:  # ended by a swap's drain timeout
@@ -351,11 +360,29 @@ class LLMReplica:
                 yield {"error": "the engine failed while generating this completion; retry the request",
                        "status": 503}  # fmt: skip
         finally:
-            self.tenant_of.pop(request_id, None)
-            self.denial_of.pop(request_id, None)
+            for choice_id in choice_ids:
+                self.tenant_of.pop(choice_id, None)
+                self.denial_of.pop(choice_id, None)
             self.metrics.count(tenant, outcome, cohort)
-            if stream is not None:
+            for _, stream in streams:
                 await stream.aclose()  # a request left early (its client went away) is cancelled now
+
+    async def _first_events(
+        self, prompt_ids: list[int], params: list[SamplingParams], choice_ids: list[str], tenant: str, adapter=None
+    ) -> list[tuple[StreamEvent, AsyncIterator[StreamEvent]]]:
+        """Every choice submitted and its first event awaited, side by side (their prefills share a
+        step). If one fails, the others' streams are closed (ending them) and its error is raised."""
+        firsts = (
+            self._first_event(prompt_ids, p, choice_id, tenant, adapter) for p, choice_id in zip(params, choice_ids)
+        )
+        results = await asyncio.gather(*firsts, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await result[1].aclose()
+            raise failures[0]
+        return results
 
     async def _first_event(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str, adapter=None
@@ -384,6 +411,64 @@ async def _chain(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncI
     yield first
     async for event in rest:
         yield event
+
+
+async def _merged(
+    streams: list[tuple[StreamEvent, AsyncIterator[StreamEvent]]],
+) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """(choice index, event) of every choice's stream, as the events come; one choice's stream as it is."""
+    if len(streams) == 1:
+        async for event in _chain(*streams[0]):
+            yield 0, event
+        return
+    for index, (first, _) in enumerate(streams):
+        yield index, first
+    pending = {asyncio.ensure_future(anext(rest)): index for index, (_, rest) in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                with contextlib.suppress(StopAsyncIteration):
+                    event = task.result()
+                    pending[asyncio.ensure_future(anext(streams[index][1]))] = index
+                    yield index, event
+    finally:  # a consumer that stops early: each stream's next read is cancelled (ending its choice)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def choice_sampling(sampling: dict, index: int) -> dict:
+    """Choice `index`'s sampling fields: a seeded request's choices each get a seed of their own
+    (choice 0 the request's), an unseeded one's each get a random one in the engine."""
+    if sampling["seed"] is None or index == 0:
+        return sampling
+    return {**sampling, "seed": choice_seed(sampling["seed"], index)}
+
+
+def logprob_items(tokenizer, event: StreamEvent) -> list[dict]:
+    """The event's tokens' logprobs with their alternatives', each token's text as the tokenizer
+    decodes that token alone (special tokens included), in one call to the tokenizer."""
+    logprobs = event.logprobs or []
+    ids = [t for token, lp in zip(event.token_ids, logprobs) for t in (token, *(a for a, _ in lp.top))]
+    texts = iter(tokenizer.batch_decode([[t] for t in ids]))
+    return [{"token": next(texts), "logprob": lp.logprob, "top": [(next(texts), value) for _, value in lp.top]}
+            for lp in logprobs]  # fmt: skip
+
+
+def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: dict) -> int:
+    """max_tokens for n choices, which run side by side as n sequences: all n at full length must
+    fit the replica's KV pool, or one request would only run by preempting itself. A default
+    max_tokens shrinks to fit; an explicit one that does not fit is a 400."""
+    room = kv_cache["pages"] // n * kv_cache["page_size"] - prompt_tokens
+    if max_tokens <= room:
+        return max_tokens
+    if explicit or room < 1:
+        raise InvalidRequest(f"n={n} choices of the prompt's {prompt_tokens} tokens plus max_tokens={max_tokens} "
+                             f"do not fit this replica's KV cache ({kv_cache['pages'] * kv_cache['page_size']} "
+                             "tokens); ask for fewer choices or tokens")  # fmt: skip
+    return room
 
 
 def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:

@@ -231,6 +231,115 @@ def test_stop_string(server, client, greedy):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+# -- logprobs, n, penalties ------------------------------------------------------------------------------
+
+
+def test_completion_logprobs(server, client, greedy):
+    """logprobs=k: OpenAI's legacy shape, one entry per generated token; greedy, each token is its
+    own most likely alternative; offsets count the token strings; streamed chunks carry the same."""
+    r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=3)
+    (choice,) = r.choices
+    assert choice.text == greedy.choices[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 24
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 1 <= len(top) <= 3
+        assert top[token] == value == max(top.values())
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(24)]
+    stream = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=3, stream=True
+    )
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for c in streamed for t in c.tokens] == lp.tokens
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+    assert [v for c in streamed for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs(server, client):
+    """logprobs with top_logprobs: chat's content list, each token with its bytes and alternatives;
+    without logprobs, none."""
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=2)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode()) and entry.logprob <= 0
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    plain = client.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, stream=True)  # fmt: skip
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content] and all(e.top_logprobs == [] for e in entries)
+
+
+def test_n_choices(server, client):
+    """n=3 with a seed: three choices, the same on every call, choice 0 the n=1 answer; usage counts
+    the prompt once and every choice's tokens. Streamed, chunks carry each choice's index and add up
+    to the same texts; greedy n=2 gives two equal choices."""
+
+    def ask(n: int):
+        return client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7,
+                                         n=n, extra_body={"ignore_eos": True})  # fmt: skip
+
+    r = ask(3)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert [c.text for c in ask(3).choices] == texts
+    assert ask(1).choices[0].text == texts[0]
+    assert r.usage.prompt_tokens == byte_prompt_tokens(PROMPT) and r.usage.completion_tokens == 36
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 36
+    stream = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7,
+                                       n=3, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    by_index = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)
+    }
+    assert list(by_index.values()) == texts
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 36 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    greedy = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=0, n=2)  # fmt: skip
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_penalties_and_logit_bias(server, client, greedy):
+    """logit_bias +100 forces its token; -100 on the greedy text's first token moves the first token
+    off it; strong penalties (and vLLM's repetition_penalty) change the greedy text."""
+    forced = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=5, temperature=0.8, seed=1,
+                                       logit_bias={"65": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    assert forced.choices[0].text == "AAAAA"
+    first = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1)
+    token = first.choices[0].logprobs.tokens[0]
+    token_id = ord(token) if len(token) == 1 and token.isascii() else None
+    if token_id is not None:  # byte-level: an ASCII token string is its own id
+        banned = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1, temperature=0,
+                                           logit_bias={str(token_id): -100})  # fmt: skip
+        assert banned.choices[0].text != first.choices[0].text
+    penalized = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                          presence_penalty=2, frequency_penalty=2,
+                                          extra_body={"repetition_penalty": 2.0})  # fmt: skip
+    assert penalized.choices[0].text != greedy.choices[0].text
+
+
+def test_openapi_lists_the_request_models_and_bad_requests_stay_openai_400s(server):
+    """/openapi.json has the completions and chat request bodies; a request that breaks them is
+    still OpenAI's 400 JSON, never FastAPI's 422."""
+    schema = server.http.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    assert {"CompletionRequest", "ChatRequest", "ChatMessage"} <= set(components)
+    ref = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert ref == {"$ref": "#/components/schemas/ChatRequest"}
+    r = server.http.post("/v1/chat/completions", json={**_body(server, "chat", {}), "n": "two"},
+                         headers=server.key_headers())  # fmt: skip
+    assert assert_openai_error(r, 400, "n")["param"] == "n"
+
+
 # -- raw HTTP: the SSE framing -------------------------------------------------------------------------
 
 
@@ -277,8 +386,12 @@ BAD_BODIES = [
     ("prompt-empty-list", "completions", {"prompt": []}, ["prompt"]),
     ("prompt-token-out-of-vocab", "completions", {"prompt": [1, 2, 10**6]}, ["prompt"]),
     ("unknown-field", "completions", {"frobnicate": True}, ["frobnicate"]),
-    ("n-2", "completions", {"n": 2}, ["n"]),
-    ("logprobs", "completions", {"logprobs": 3}, ["logprobs"]),
+    ("n-17", "completions", {"n": 17}, ["n"]),
+    ("logprobs-21", "completions", {"logprobs": 21}, ["logprobs"]),
+    ("logit_bias-out-of-vocab", "completions", {"logit_bias": {"999999": 5}}, ["logit_bias"]),
+    ("logit_bias-word-key", "completions", {"logit_bias": {"hello": 5}}, ["logit_bias"]),
+    ("presence_penalty-too-high", "completions", {"presence_penalty": 2.5}, ["presence_penalty"]),
+    ("repetition_penalty-zero", "completions", {"repetition_penalty": 0}, ["repetition_penalty"]),
     ("stream-string", "completions", {"stream": "yes"}, ["stream"]),
     ("stop-too-many", "completions", {"stop": ["a", "b", "c", "d", "e"]}, ["stop"]),
     ("stop-empty", "completions", {"stop": [""]}, ["stop"]),
@@ -293,7 +406,9 @@ BAD_BODIES = [
     ("message-bad-role", "chat", {"messages": [{"role": "robot", "content": "hi"}]}, ["role"]),
     ("message-extra-field", "chat", {"messages": [{"role": "user", "content": "hi", "x": 1}]}, ["x"]),
     ("chat-prompt-too-long", "chat", {"messages": [{"role": "user", "content": "y" * 300}]}, ["max_model_len"]),
-    ("chat-n-2", "chat", {"n": 2}, ["n"]),
+    ("chat-n-0", "chat", {"n": 0}, ["n"]),
+    ("chat-top_logprobs-without-logprobs", "chat", {"top_logprobs": 2}, ["top_logprobs"]),
+    ("chat-logprobs-number", "chat", {"logprobs": 1}, ["logprobs"]),
 ]
 
 
@@ -364,7 +479,7 @@ def test_unknown_model_is_404(server, client):
 def test_openai_client_raises_bad_request(server, client):
     """The openai client surfaces our 400 as BadRequestError with our message."""
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, n=2)
+        client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, n=17)
     assert "n" in str(info.value)
 
 

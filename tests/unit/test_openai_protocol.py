@@ -11,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from app.ingress import _json_body
-from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, CompletionRequest
+from app.ingress import _json_body, api
+from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape
 
 
 class FakeRequest:
@@ -200,3 +200,124 @@ def test_what_would_change_the_meaning_of_a_request_is_refused_naming_it(changes
         ChatRequest.model_validate({**CHAT, **changes})
     error = info.value.errors()[0]
     assert ".".join(map(str, error["loc"])).startswith(field) and says in str(info.value)
+
+
+# -- n, penalties, logit_bias, logprobs ------------------------------------------------------------
+
+
+def test_penalties_bias_and_logprobs_reach_the_sampling_fields():
+    """The fields the engine serves are passed on as SamplingParams takes them: logit_bias keys as
+    token ids, chat's logprobs/top_logprobs as the number of alternatives (0 with logprobs alone)."""
+    req = CompletionRequest.model_validate({**COMPLETION, "n": 16, "presence_penalty": -2, "frequency_penalty": 1.5,
+                                            "repetition_penalty": 1.2, "logit_bias": {"50256": -100, "7": 2.5},
+                                            "logprobs": 20})  # fmt: skip
+    sampling = req.sampling()
+    assert req.n == 16
+    assert sampling["presence_penalty"] == -2.0 and sampling["frequency_penalty"] == 1.5
+    assert sampling["repetition_penalty"] == 1.2 and sampling["logprobs"] == 20
+    assert sampling["logit_bias"] == ((50256, -100.0), (7, 2.5))
+    assert CompletionRequest.model_validate(COMPLETION).sampling()["logprobs"] is None
+    assert CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}).sampling()["logprobs"] == 0
+    chat = [ChatRequest.model_validate({**CHAT, **c}).sampling()["logprobs"] for c in (
+        {}, {"logprobs": False}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 5})]  # fmt: skip
+    assert chat == [None, None, 0, 5]
+
+
+BAD_SAMPLING = [
+    ("n-zero", CompletionRequest, {"n": 0}, "n"),
+    ("n-17", ChatRequest, {"n": 17}, "n"),
+    ("presence-too-high", CompletionRequest, {"presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency-too-low", ChatRequest, {"frequency_penalty": -3}, "frequency_penalty"),
+    ("repetition-zero", CompletionRequest, {"repetition_penalty": 0}, "repetition_penalty"),
+    ("repetition-string", CompletionRequest, {"repetition_penalty": "1.1"}, "repetition_penalty"),
+    ("logit_bias-list", CompletionRequest, {"logit_bias": [1, 2]}, "logit_bias"),
+    ("logit_bias-word-key", CompletionRequest, {"logit_bias": {"hello": 1}}, "logit_bias"),
+    ("logit_bias-negative-key", CompletionRequest, {"logit_bias": {"-1": 1}}, "logit_bias"),
+    ("logit_bias-huge-key", CompletionRequest, {"logit_bias": {"9" * 40: 1}}, "logit_bias"),
+    ("logit_bias-too-high", ChatRequest, {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("logit_bias-bool", ChatRequest, {"logit_bias": {"5": True}}, "logit_bias"),
+    ("logit_bias-too-many", ChatRequest, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("completion-logprobs-21", CompletionRequest, {"logprobs": 21}, "logprobs"),
+    ("completion-logprobs-bool", CompletionRequest, {"logprobs": True}, "logprobs"),
+    ("chat-top_logprobs-21", ChatRequest, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat-top_logprobs-without-logprobs", ChatRequest, {"top_logprobs": 2}, "top_logprobs"),
+    ("chat-top_logprobs-with-logprobs-false", ChatRequest, {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize(
+    ("schema", "changes", "field"), [c[1:] for c in BAD_SAMPLING], ids=[c[0] for c in BAD_SAMPLING]
+)
+def test_bad_sampling_fields_are_refused_naming_them(schema, changes, field):
+    base = COMPLETION if schema is CompletionRequest else CHAT
+    with pytest.raises(ValidationError) as info:
+        schema.model_validate({**base, **changes})
+    assert field in str(info.value)
+
+
+# -- response shapes -------------------------------------------------------------------------------
+
+TOKENS = [{"token": "Hi", "logprob": -0.5, "top": [("Hi", -0.5), ("Ho", -1.25)]},
+          {"token": "é", "logprob": -2.0, "top": [("a", -0.1), ("é", -2.0), ("a", -2.5)]}]  # fmt: skip
+
+
+def test_whole_chat_response_with_choices_and_logprobs():
+    """n choices in index order, usage counting the prompt once and every choice's tokens; chat's
+    logprobs as OpenAI shapes them, with each token's UTF-8 bytes."""
+    shape = ResponseShape(True, "m", n=2, logprobs=True)
+    first, second = Choice(), Choice()
+    first.add({"text": "Hié", "finish_reason": "length", "completion_tokens": 2, "logprobs": TOKENS})
+    second.add({"text": "x", "finish_reason": None, "completion_tokens": 1, "logprobs": TOKENS[:1]})
+    second.add({"text": "", "finish_reason": "stop", "completion_tokens": 1, "logprobs": []})
+    body = shape.whole([first, second], prompt_tokens=7)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == ["Hié", "x"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    content = body["choices"][0]["logprobs"]["content"]
+    e_acute = {"token": "é", "logprob": -2.0, "bytes": [0xC3, 0xA9]}
+    a = {"token": "a", "logprob": -0.1, "bytes": [97]}
+    assert content[1] == {**e_acute, "top_logprobs": [a, e_acute, {**a, "logprob": -2.5}]}
+    assert len(body["choices"][1]["logprobs"]["content"]) == 1
+    plain = ResponseShape(True, "m").whole([first], prompt_tokens=7)
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_are_the_legacy_shape_with_offsets_across_chunks():
+    """tokens, token_logprobs, top_logprobs (token -> logprob; of two tokens that read the same,
+    the more likely) and text_offset, which goes on counting from one chunk of a choice to its
+    next, apart for each choice."""
+    shape = ResponseShape(False, "m", n=2, logprobs=True)
+    one = shape.chunk("Hié", None, index=0, logprobs=TOKENS)["choices"][0]
+    assert one["index"] == 0 and one["text"] == "Hié"
+    assert one["logprobs"] == {"tokens": ["Hi", "é"], "token_logprobs": [-0.5, -2.0],
+                               "top_logprobs": [{"Hi": -0.5, "Ho": -1.25}, {"a": -0.1, "é": -2.0}],
+                               "text_offset": [0, 2]}  # fmt: skip
+    assert shape.chunk("Hi", None, index=0, logprobs=TOKENS[:1])["choices"][0]["logprobs"]["text_offset"] == [3]
+    other = shape.chunk("Hi", "stop", index=1, logprobs=TOKENS[:1])["choices"][0]
+    assert other["index"] == 1 and other["logprobs"]["text_offset"] == [0] and other["finish_reason"] == "stop"
+    assert ResponseShape(False, "m").chunk("x", None)["choices"][0]["logprobs"] is None
+
+
+def test_chat_chunks_open_each_choice_with_the_role():
+    shape = ResponseShape(True, "m", n=2)
+    assert shape.chunk("a", None, True, 1)["choices"][0] == {"index": 1, "finish_reason": None, "logprobs": None,
+                                                            "delta": {"role": "assistant", "content": "a"}}  # fmt: skip
+    assert shape.chunk("b", None, False, 1)["choices"][0]["delta"] == {"content": "b"}
+
+
+def test_openapi_declares_the_request_bodies():
+    """The OpenAI handlers read their bodies themselves, yet /openapi.json describes them: each
+    route's requestBody refers to its model, and the models (with the new fields) are there."""
+    schema = api.openapi()
+    components = schema["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert {"n", "logit_bias", "presence_penalty", "repetition_penalty", "logprobs"} <= set(
+            components[model]["properties"]
+        )
+    assert "top_logprobs" in components["ChatRequest"]["properties"]
+    assert components["ChatMessage"]["properties"]["role"]["enum"][0] == "system"
+    refs = {v for v in json.dumps(schema).split('"') if v.startswith("#/")}
+    assert all(ref.split("/")[-1] in components for ref in refs)  # every reference resolves

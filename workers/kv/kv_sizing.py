@@ -16,7 +16,7 @@ import torch
 
 from workers.kv.kv_cache import KVCache, pages_needed
 from workers.modeling.model import LlamaModel
-from workers.serving.sampling import SamplingParams, sample
+from workers.serving.batch_sampler import BatchSampler
 
 MB = 1 << 20
 
@@ -38,11 +38,13 @@ def scratch_cache(model: LlamaModel, page_size: int) -> KVCache:
 
 @torch.inference_mode()
 def activation_peak_bytes(model: LlamaModel, max_prefill_tokens: int, max_num_seqs: int, page_size: int) -> int:
-    """Device memory the largest prefill and the largest batch's sampling take at their peak."""
+    """Device memory the largest prefill and the largest batch's sampling (with every part: top-k
+    and top-p, penalties, logit_bias, logprobs) take at their peak."""
     device = model.embed.weight.device
     lens = prefill_sizes(max_prefill_tokens, model.max_model_len)[-1]
     n = sum(lens)
     cache = scratch_cache(model, page_size)
+    sampler = BatchSampler(max_num_seqs, model.cfg.vocab_size, device)  # before `base`: its history is reserved apart
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -50,8 +52,7 @@ def activation_peak_bytes(model: LlamaModel, max_prefill_tokens: int, max_num_se
     positions = torch.cat([torch.arange(m, device=device) for m in lens])
     model.prefill(tokens, positions, torch.zeros_like(tokens), lens, cache)
     logits = torch.zeros(max_num_seqs, model.cfg.vocab_size, dtype=model.cfg.dtype, device=device)
-    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * max_num_seqs
-    sample(logits, params, [0] * max_num_seqs, [0] * max_num_seqs)
+    sampler.sample(logits, sampler.probe(max_num_seqs))
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
 

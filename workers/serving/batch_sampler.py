@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from workers.serving.sampling import SamplingParams, TokenLogprob, apply_penalties, sample, token_logprobs
+from workers.serving.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    sample,
+    token_logprobs,
+)
 from workers.serving.scheduler import Sequence, new_sequence
 
-# What `warm` runs once: every part, so a process's first penalized request does not load kernels.
-WARM_PARAMS = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                             logit_bias=((0, 1.0),), logprobs=5)  # fmt: skip
+# Every part at once: what warm-up runs (a process's first use of each loads kernels) and what the
+# KV pool's sizing measures the peak memory of.
+EVERY_PART = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                            repetition_penalty=1.1, logit_bias=((0, 1.0),), logprobs=MAX_LOGPROBS)  # fmt: skip
 
 
 class BatchSampler:
@@ -52,36 +60,34 @@ class BatchSampler:
         params = [s.params for s in seqs]
         logits = logits.float()
         penalized = [i for i, p in enumerate(params) if p.penalized]
-        if penalized:
-            logits = self._penalize(logits, seqs, penalized)
+        if penalized:  # their rows and slots
+            index = torch.tensor([penalized, [seqs[i].slot for i in penalized]], device=logits.device)
+            logits = self._penalize(logits, index, [params[i] for i in penalized])
         if any(p.logit_bias for p in params):
             logits = self._bias(logits, params)
         tokens = sample(logits, params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
         if penalized:
-            self._record(seqs, penalized, tokens)
+            self._record(index, tokens)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = self._logprobs(logits, tokens, params, wanted) if wanted else None
         return tokens.tolist(), logprobs
 
-    def warm(self, logits: torch.Tensor) -> None:
-        """Run every part once on one row (slot 0, whose history the next sequence there refills)."""
-        seq = new_sequence([0], WARM_PARAMS)
-        seq.slot = 0
-        self._load(seq)
-        self.sample(logits[:1], [seq])
+    def probe(self, rows: int) -> list[Sequence]:
+        """Sequences in slots 0 to rows - 1 asking for every part, their history loaded (the next
+        sequence in each of those slots refills it)."""
+        seqs = [new_sequence([0], EVERY_PART) for _ in range(rows)]
+        for slot, seq in enumerate(seqs):
+            seq.slot = slot
+            self._load(seq)
+        return seqs
 
-    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-        device = logits.device
-        index = torch.tensor([rows, [seqs[i].slot for i in rows]], device=device)
-        p = [seqs[i].params for i in rows]
-        presence, frequency, repetition = torch.tensor(
-            [[x.presence_penalty for x in p], [x.frequency_penalty for x in p], [x.repetition_penalty for x in p]],
-            device=device,
-        )
-        slots = index[1]
-        penalized = apply_penalties(logits[index[0]], self.counts[slots], self.in_prompt[slots], presence, frequency,
+    def _penalize(self, logits: torch.Tensor, index: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        values = [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params]
+        presence, frequency, repetition = torch.tensor(values, device=logits.device).T
+        rows, slots = index
+        penalized = apply_penalties(logits[rows], self.counts[slots], self.in_prompt[slots], presence, frequency,
                                     repetition)  # fmt: skip
-        return logits.index_put((index[0],), penalized)
+        return logits.index_put((rows,), penalized)
 
     @staticmethod
     def _bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -90,12 +96,11 @@ class BatchSampler:
         index = torch.tensor([rows, ids], device=logits.device)
         return logits.index_put((index[0], index[1]), torch.tensor(biases, device=logits.device), accumulate=True)
 
-    def _record(self, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> None:
-        """Count the drawn tokens in their rows' history (a token that ends its sequence is counted
-        too: nothing reads that row before the slot's next sequence refills it)."""
-        device = tokens.device
-        index = torch.tensor([rows, [seqs[i].slot for i in rows]], device=device)
-        self.counts.index_put_((index[1], tokens[index[0]]), torch.ones(len(rows), device=device), accumulate=True)
+    def _record(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count the drawn tokens of the penalized rows in their slots' history (a token that ends
+        its sequence is counted too: nothing reads that row before the slot's next sequence refills it)."""
+        rows, slots = index
+        self.counts.index_put_((slots, tokens[rows]), torch.ones(len(rows), device=tokens.device), accumulate=True)
 
     @staticmethod
     def _logprobs(

@@ -220,7 +220,7 @@ class LLMEngine:
         rows = len(lens)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
             sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
-        self.sampler.warm(logits)
+        self.sampler.sample(logits[:1], self.sampler.probe(1))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
