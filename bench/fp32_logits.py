@@ -60,7 +60,8 @@ def main() -> None:
               f"{r['ratio']:.3f}x |" for r in rows]  # fmt: skip
     table = "\n".join(lines)
     Path(args.out).with_suffix(".md").write_text(
-        f"{table}\n\n`python bench/fp32_logits.py {' '.join(sys.argv[1:])}` on {meta['device']}, torch {meta['torch']}\n"
+        f"{table}\n\n`python bench/fp32_logits.py {' '.join(sys.argv[1:])}` on {meta['device']}, "
+        f"torch {meta['torch']}\n"
     )
     print(table)
 

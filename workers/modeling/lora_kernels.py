@@ -1,11 +1,11 @@
 """Batched LoRA for decode in Triton (BGMV, as in Punica): each row reads only its own adapter's slot.
 
 The matmul-and-mask form in `lora.py` multiplies every row by every slot and masks: its cost follows
-max_loras x max_lora_rank and takes four launches per layer. Here two launches do a layer whatever
+max_loras x max_lora_rank, in three to five launches per layer. Here two launches do a layer whatever
 the mix: `shrink` computes s = A[slot] x for each (row, part), split along the input features so a
-small batch still spreads over the SMs (one load per program, not a chain of them); `expand` adds B[slot] s into the layer's output, each output
-feature reading its part's s. A row naming slot 0 (no adapter, or a padding row) costs a load of its
-slot index and a copy of its output row.
+small batch still spreads over the SMs (one load per program, not a chain of them); `expand` adds
+B[slot] s into the layer's output, each output feature reading its part's s. A row naming slot 0
+(no adapter, or a padding row) costs a load of its slot index and a copy of its output row.
 
 Why only for few rows: each row reads its slot's B on its own, so the reads grow with the rows
 (mostly from L2, rows of one adapter share them), while the matmul form reads every slot's B once.
