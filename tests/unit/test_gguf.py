@@ -4,6 +4,8 @@ normal loading path, and it answers like transformers does on the same file."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -32,6 +34,8 @@ def test_the_default_model_is_smollm2_converted_once(smollm2, monkeypatch):
     assert checkpoint.parent.name == "gguf" and (checkpoint / "model.safetensors").is_file()
     assert checkpoint.name.startswith(gguf.stem + "-")
     assert (checkpoint / "tokenizer.json").is_file() and model_name(None) == SMOLLM2_NAME
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"  # dense weights: not packed GGUF
     assert model_dir(str(gguf)) == checkpoint  # the same file is not converted again
     assert model_name(str(gguf)) == gguf.stem
     monkeypatch.setenv(DEFAULT_MODEL_ENV, "tiny")

@@ -22,11 +22,12 @@ from workers.modeling.config import SUPPORTED_ARCHITECTURES, CheckpointError
 
 log = logging.getLogger(__name__)
 SAMPLE = 1 << 20  # bytes read from each end of the file for its content id
+FORMAT = 2  # of what a conversion writes; a new one converts again (2: config without quantization_config)
 
 
 def content_id(path: Path) -> str:
     size = path.stat().st_size
-    h = hashlib.sha256(f"{path.name}:{size}".encode())
+    h = hashlib.sha256(f"{path.name}:{size}:{FORMAT}".encode())
     with path.open("rb") as data:
         h.update(data.read(SAMPLE))
         data.seek(max(0, size - SAMPLE))
@@ -57,6 +58,10 @@ def converted(gguf_file: Path, cache: Path) -> Path:
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
     config.architectures = [architecture]
     config.dtype = "bfloat16"
+    # the weights written are dense: a config still naming GGUF quantization would make transformers
+    # load this checkpoint as packed GGUF weights
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     weights = {name: t.to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()
                if not (tied and name == "lm_head.weight")}  # fmt: skip
