@@ -24,6 +24,7 @@ from ray import serve
 
 from app.config import AppConfig
 from app.controller import ControllerClient
+from app.failover import continuation
 from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
@@ -31,7 +32,7 @@ from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.modeling.lora import LoraLimits
-from workers.serving.async_engine import EngineDeadError, RequestFailed, StreamEvent
+from workers.serving.async_engine import EngineDeadError, RequestFailed, Resume, StreamEvent
 from workers.serving.engine import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.scheduler import QueueFull
@@ -289,7 +290,10 @@ class LLMReplica:
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Items: {"error", "status"} alone, or {"text", "finish_reason", "prompt_tokens",
         "completion_tokens"} chunks, possibly ended by an {"error", "status"} item when the engine
-        failed mid-stream. The first item is sent as soon as it exists."""
+        failed mid-stream. The first item is sent as soon as it exists. Chunks also carry what
+        another replica needs to continue the request (`app/failover.py`): token ids, seed,
+        detokenizer state and this replica's id; an error item of an engine that died says "retry".
+        A request with a "resume" continues one that another replica could not finish."""
         if self.draining:  # not counted: the ingress sends it to another replica
             yield {"error": "this replica is swapping its model", "status": 503, "swapping": True}
             return
@@ -306,11 +310,14 @@ class LLMReplica:
                 sampling["max_tokens"] = fit_max_tokens(
                     request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status.max_model_len
                 )
+                resume = continuation(request)
+                if resume is not None:
+                    sampling["seed"] = request["resume"]["seed"]
                 adapter = tuple(request["adapter"]) if request.get("adapter") else None
                 if adapter is not None:
                     await self._note_adapter(adapter[0])
                 first, stream = await self._first_event(
-                    prompt_ids, SamplingParams(**sampling), request_id, tenant, adapter
+                    prompt_ids, SamplingParams(**sampling), request_id, tenant, adapter, resume
                 )
             except InvalidRequest as e:
                 outcome = "invalid"
@@ -318,7 +325,7 @@ class LLMReplica:
                 return
             except (QueueFull, EngineDeadError) as e:
                 outcome = "unavailable"
-                yield {"error": str(e), "status": 503}
+                yield {"error": str(e), "status": 503, **self._retry(e)}
                 return
             except RequestFailed as e:
                 outcome = "error"
@@ -329,7 +336,7 @@ class LLMReplica:
             try:
                 async for event in _chain(first, stream):
                     now = time.monotonic()
-                    if first_at is None and event.completion_tokens:
+                    if first_at is None and event.completion_tokens and resume is None:  # not the client's first token
                         first_at = now
                         self.metrics.ttft.observe(now - start)
                     yield {
@@ -337,6 +344,10 @@ class LLMReplica:
                         "finish_reason": event.finish_reason,
                         "prompt_tokens": event.prompt_tokens,
                         "completion_tokens": event.completion_tokens,
+                        "token_ids": event.token_ids,
+                        "seed": event.seed,
+                        "detok": event.detok,
+                        "replica_id": self.replica_id,
                     }
                     if event.finish_reason is not None:
                         outcome = "ok"
@@ -349,7 +360,7 @@ class LLMReplica:
                 outcome = "engine_failed"
                 log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)
                 yield {"error": "the engine failed while generating this completion; retry the request",
-                       "status": 503}  # fmt: skip
+                       "status": 503, **self._retry(e)}  # fmt: skip
         finally:
             self.tenant_of.pop(request_id, None)
             self.denial_of.pop(request_id, None)
@@ -357,8 +368,18 @@ class LLMReplica:
             if stream is not None:
                 await stream.aclose()  # a request left early (its client went away) is cancelled now
 
+    def _retry(self, error: Exception) -> dict:
+        """What an error item adds for the ingress: a dead engine is retried on another replica."""
+        return {"retry": True, "replica_id": self.replica_id} if isinstance(error, EngineDeadError) else {}
+
     async def _first_event(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str, adapter=None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        tenant: str,
+        adapter=None,
+        resume: Resume | None = None,
     ) -> tuple[StreamEvent, AsyncIterator[StreamEvent]]:
         """Submit and wait for the first event. An engine that dies before it costs the request
         nothing: it waits for the engine's restart in place and is submitted again."""
@@ -366,7 +387,7 @@ class LLMReplica:
         for _ in range(self.config.engine_max_restarts + 1):
             try:
                 denial = self.denial_of[request_id] = self._denial(tenant, request_id)
-                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s, adapter))
+                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s, adapter, resume))
                 return await anext(stream), stream
             except EngineDeadError as e:
                 log.warning("replica %s: request %s waits for the engine (%s)", self.replica_id, request_id, e)
