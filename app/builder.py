@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from app.config import AppConfig
 from app.ingress import Ingress
 from app.replica import LLMReplica
 
 HEALTH_CHECK_PERIOD_S = 5.0
+# Serve's power of two choices, except that a request failing over never goes back to a replica that failed it.
+FAILOVER_ROUTER = RequestRouterConfig(request_router_class="app.failover.FailoverRouter")
 
 
 def use_gpu(config: AppConfig) -> bool:
@@ -43,6 +46,7 @@ def deployment(args: dict) -> Application:
         autoscaling_config=config.autoscaling.model_dump(),
         max_ongoing_requests=config.max_num_seqs + config.max_waiting,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        request_router_config=FAILOVER_ROUTER,
         **placement,
     )
     ingress = serve.deployment(Ingress).options(

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app import auth
 from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
 from app.controller import ControllerClient, ControllerUnavailable
+from app.failover import FAILOVER_TIMEOUT_S, Progress
 from app.metrics import render
 from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
@@ -29,6 +30,7 @@ from workers.modeling.default_model import model_name
 log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
 RETRY_AFTER = {"Retry-After": "5"}
+SEED_HEADER = "x-graphserve-seed"  # the seed a completion was sampled with: sent back as `seed`, it samples it again
 SWAP_RETRY_S = 0.05
 MAX_RECOMMENDED_BUCKETS = 64
 SCHEMA_REF = "#/components/schemas/{model}"
@@ -145,7 +147,7 @@ def finite(value):
     return value
 
 
-_REPLICA_GONE = {"error": "the replica serving this request failed; retry the request", "status": 503}
+_REPLICA_GONE = {"error": "the replica serving this request failed; retry the request", "status": 503, "retry": True}
 
 
 async def _items(items) -> AsyncIterator[dict]:
@@ -160,15 +162,15 @@ async def _items(items) -> AsyncIterator[dict]:
         yield _REPLICA_GONE
 
 
-async def _chain_items(first: dict, items) -> AsyncIterator[dict]:
+async def _chain_items(first: dict, items: AsyncGenerator[dict]) -> AsyncIterator[dict]:
     """The first item, then the rest; leaving early (a client that went away) cancels the request
     in the engine."""
     try:
         yield first
-        async for item in _items(items):
+        async for item in items:
             yield item
     finally:
-        items.cancel()
+        await items.aclose()
 
 
 class AdapterBody(BaseModel):
@@ -281,18 +283,73 @@ class Ingress:
             payload["messages"] = [m.for_template() for m in req.messages]
         else:
             payload["prompt"] = req.prompt
-        items, first = await self._first_item(payload, adapter[0] if adapter else None)
-        if first is None or "error" in first:
-            items.cancel()
-            first = first or _REPLICA_GONE
+        adapter_name = adapter[0] if adapter else None
+        items = self._resumable(payload, adapter_name) if req.n == 1 else self._one_attempt(payload, adapter_name)
+        first = await anext(items)
+        if "error" in first:
+            await items.aclose()
             return error_response(
                 first["status"], first["error"], headers=RETRY_AFTER if first["status"] == 503 else None
             )
         shape = ResponseShape(chat, req.model, req.n, payload["sampling"]["logprobs"] is not None)
+        seed = {SEED_HEADER: str(first["seed"])}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream")
-        return await self._collect(shape, first, items)
+            return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream",
+                                     headers=seed)  # fmt: skip
+        response = await self._collect(shape, first, items)
+        response.headers.update(seed)
+        return response
+
+    async def _resumable(self, payload: dict, adapter: str | None) -> AsyncGenerator[dict]:
+        """The request's items, from one replica or, when it or its engine fails, from another that
+        goes on where the client is (`app/failover.py`): with another replica serving, at most
+        MAX_FAILOVERS times, each continuation's first item within FAILOVER_TIMEOUT_S. Otherwise the
+        failure ends the items as it did before failover (an error item)."""
+        progress, failure = Progress(), _REPLICA_GONE
+        while True:
+            try:
+                async with asyncio.timeout(FAILOVER_TIMEOUT_S if progress.failovers else None):
+                    items, item = await self._first_item(progress.payload(payload), adapter)
+            except TimeoutError:
+                log.warning("no replica continued the request within %g s", FAILOVER_TIMEOUT_S)
+                yield failure
+                return
+            rest = _items(items)
+            try:
+                item = item or _REPLICA_GONE
+                while "error" not in item:
+                    progress.record(item)
+                    yield item
+                    if item["finish_reason"] is not None:
+                        return
+                    item = await anext(rest, _REPLICA_GONE)  # a stream that stops short: its replica is gone
+            finally:
+                items.cancel()
+            failure = item
+            if not await self._fails_over(progress, failure):
+                yield failure
+                return
+
+    async def _one_attempt(self, payload: dict, adapter: str | None) -> AsyncGenerator[dict]:
+        """The items of a request with n > 1 choices from one replica: failover continues one stream,
+        so a failure here ends the choices with an error item, as it did before failover."""
+        items, first = await self._first_item(payload, adapter)
+        try:
+            yield first or _REPLICA_GONE
+            async for item in _items(items):
+                yield item
+        finally:
+            items.cancel()
+
+    async def _fails_over(self, progress: Progress, failure: dict) -> bool:
+        """Whether a failed attempt goes on elsewhere: a replica or engine failure, within the
+        bound, with another replica serving."""
+        if not progress.fail(failure) or not await self.readiness.serving() - set(progress.avoid):
+            return False
+        log.warning("request fails over to another replica after %d tokens: %s", len(progress.output_ids),
+                    failure["error"])  # fmt: skip
+        return True
 
     async def _first_item(self, payload: dict, adapter: str | None = None) -> tuple[object, dict | None]:
         """Send the request to a replica and wait for its first item. A replica that is swapping its

@@ -48,6 +48,11 @@ class ReadinessView:
                 await asyncio.shield(refresh)  # a caller that goes away must not cancel the others' wait
         return any(self._ready.values())
 
+    async def serving(self) -> set[str]:
+        """The replicas serving (READY, or swapping and back in moments), as any_ready sees them."""
+        await self.any_ready()
+        return {r for r, ready in self._ready.items() if ready}
+
     def _refresh(self) -> asyncio.Task:
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._fetch())

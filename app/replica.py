@@ -25,6 +25,7 @@ from ray import serve
 
 from app.config import AppConfig
 from app.controller import ControllerClient
+from app.failover import continuation
 from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
@@ -32,7 +33,7 @@ from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.modeling.lora import LoraLimits
-from workers.serving.async_engine import EngineDeadError, RequestFailed, StreamEvent
+from workers.serving.async_engine import EngineDeadError, RequestFailed, Resume, StreamEvent
 from workers.serving.engine import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull
@@ -291,7 +292,10 @@ class LLMReplica:
         """Items: {"error", "status"} alone, or {"index", "text", "finish_reason", "prompt_tokens",
         "completion_tokens", "logprobs"} chunks of the request's n choices (the counts are the
         choice's own; logprobs None unless asked for), possibly ended by an {"error", "status"} item
-        when the engine failed mid-stream. The first item is sent as soon as it exists."""
+        when the engine failed mid-stream. The first item is sent as soon as it exists. Chunks also
+        carry what another replica needs to continue a one-choice request (`app/failover.py`): token
+        ids, seed, detokenizer state and this replica's id; an error item of an engine that died says
+        "retry". A request with a "resume" continues one that another replica could not finish."""
         if self.draining:  # not counted: the ingress sends it to another replica
             yield {"error": "this replica is swapping its model", "status": 503, "swapping": True}
             return
@@ -312,18 +316,21 @@ class LLMReplica:
                 )
                 sampling["max_tokens"] = fit_choices(n, max_tokens, sampling["max_tokens"] is not None,
                                                      len(prompt_ids), self.engine_status.kv_cache)  # fmt: skip
+                resume = continuation(request, n)
+                if resume is not None:
+                    sampling["seed"] = request["resume"]["seed"]
                 adapter = tuple(request["adapter"]) if request.get("adapter") else None
                 if adapter is not None:
                     await self._note_adapter(adapter[0])
                 params = [SamplingParams(**choice_sampling(sampling, i)) for i in range(n)]
-                streams = await self._first_events(prompt_ids, params, choice_ids, tenant, adapter)
+                streams = await self._first_events(prompt_ids, params, choice_ids, tenant, adapter, resume)
             except InvalidRequest as e:
                 outcome = "invalid"
                 yield {"error": str(e), "status": 400}
                 return
             except (QueueFull, EngineDeadError) as e:
                 outcome = "unavailable"
-                yield {"error": str(e), "status": 503}
+                yield {"error": str(e), "status": 503, **self._retry(e)}
                 return
             except RequestFailed as e:
                 outcome = "error"
@@ -334,7 +341,7 @@ class LLMReplica:
             try:
                 async for index, event in _merged(streams):
                     now = time.monotonic()
-                    if first_at is None and event.completion_tokens:
+                    if first_at is None and event.completion_tokens and resume is None:  # not the client's first token
                         first_at = now
                         self.metrics.ttft.observe(now - start)
                     logprobs = logprob_items(self.tokenizer, event) if params[index].logprobs is not None else None
@@ -345,6 +352,10 @@ class LLMReplica:
                         "prompt_tokens": event.prompt_tokens,
                         "completion_tokens": event.completion_tokens,
                         "logprobs": logprobs,
+                        "token_ids": event.token_ids,
+                        "seed": event.seed,
+                        "detok": event.detok,
+                        "replica_id": self.replica_id,
                     }
                     if event.finish_reason is not None:
                         ended += 1
@@ -358,7 +369,7 @@ class LLMReplica:
                 outcome = "engine_failed"
                 log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)
                 yield {"error": "the engine failed while generating this completion; retry the request",
-                       "status": 503}  # fmt: skip
+                       "status": 503, **self._retry(e)}  # fmt: skip
         finally:
             for choice_id in choice_ids:
                 self.tenant_of.pop(choice_id, None)
@@ -368,12 +379,20 @@ class LLMReplica:
                 await stream.aclose()  # a request left early (its client went away) is cancelled now
 
     async def _first_events(
-        self, prompt_ids: list[int], params: list[SamplingParams], choice_ids: list[str], tenant: str, adapter=None
+        self,
+        prompt_ids: list[int],
+        params: list[SamplingParams],
+        choice_ids: list[str],
+        tenant: str,
+        adapter=None,
+        resume: Resume | None = None,
     ) -> list[tuple[StreamEvent, AsyncIterator[StreamEvent]]]:
         """Every choice submitted and its first event awaited, side by side (their prefills share a
-        step). If one fails, the others' streams are closed (ending them) and its error is raised."""
+        step). If one fails, the others' streams are closed (ending them) and its error is raised.
+        A continuation (`resume`) has one choice."""
         firsts = (
-            self._first_event(prompt_ids, p, choice_id, tenant, adapter) for p, choice_id in zip(params, choice_ids)
+            self._first_event(prompt_ids, p, choice_id, tenant, adapter, resume)
+            for p, choice_id in zip(params, choice_ids)
         )
         results = await asyncio.gather(*firsts, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -384,8 +403,18 @@ class LLMReplica:
             raise failures[0]
         return results
 
+    def _retry(self, error: Exception) -> dict:
+        """What an error item adds for the ingress: a dead engine is retried on another replica."""
+        return {"retry": True, "replica_id": self.replica_id} if isinstance(error, EngineDeadError) else {}
+
     async def _first_event(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str, adapter=None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        tenant: str,
+        adapter=None,
+        resume: Resume | None = None,
     ) -> tuple[StreamEvent, AsyncIterator[StreamEvent]]:
         """Submit and wait for the first event. An engine that dies before it costs the request
         nothing: it waits for the engine's restart in place and is submitted again."""
@@ -393,7 +422,7 @@ class LLMReplica:
         for _ in range(self.config.engine_max_restarts + 1):
             try:
                 denial = self.denial_of[request_id] = self._denial(tenant, request_id)
-                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s, adapter))
+                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s, adapter, resume))
                 return await anext(stream), stream
             except EngineDeadError as e:
                 log.warning("replica %s: request %s waits for the engine (%s)", self.replica_id, request_id, e)

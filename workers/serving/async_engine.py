@@ -5,7 +5,9 @@ tests, tensor-parallel rank 0) or in a child process with an interpreter lock of
 (`EngineProcess`: a serving replica). Either way this side sends commands and gets each step's
 events for all requests in one call. Detokenization and stop strings happen on this side, off the
 step loop; a stop string found here cancels the request in the engine. Closing a stream early (a
-client that went away) cancels its request too.
+client that went away) cancels its request too. Every event carries what another engine needs to
+continue the stream if this one dies (failover): the seed and the detokenizer's state; `submit`
+with a `Resume` is that continuation.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
-from workers.serving.detokenizer import IncrementalDetokenizer
+from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
 from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob
 from workers.serving.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
@@ -53,6 +55,17 @@ class StreamEvent:
     completion_tokens: int
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    seed: int | None = None  # the seed its tokens are drawn with (drawn here when the request had none)
+    detok: DetokState | None = None  # the detokenizer's state after this event's tokens
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A stream continued from another engine: the tokens its client got there (all of them, in
+    order) and that engine's detokenizer state after them. Its seed is in its SamplingParams."""
+
+    output_ids: list[int]
+    detok: DetokState
 
 
 def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
@@ -151,16 +164,21 @@ class StreamFront(ABC):
         graph_denial: FallbackReason | None = None,
         interval_s: float = 0.0,
         adapter: tuple[str, str] | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Validate and enqueue now (raising InvalidRequest or QueueFull at once); stream later.
 
         With interval_s, the stream is read at most that often and each event carries every token
         that gathered meanwhile (the first and the last at once): fewer, larger items for a
-        transport whose cost is per item."""
+        transport whose cost is per item. With resume, the stream goes on where another engine's
+        left off: its events carry only the new tokens and text, and count every token."""
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
         self.limits.check_prompt(prompt_ids)
         self.limits.check_params(params)
+        output_ids = resume.output_ids if resume else []
+        self.limits.check_continuation(prompt_ids, output_ids, params.max_tokens)
+        detok = self._detokenizer(params, resume)
         if request_id is not None and request_id in self._streams:
             # a second sequence under one id would orphan the first's stream and KV slot
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
@@ -169,11 +187,21 @@ class StreamFront(ABC):
                 raise QueueFull(f"{self._inflight} requests in flight; the queue is full")
             self._inflight += 1
         self._loop = asyncio.get_running_loop()
-        seq = new_sequence(prompt_ids, params, request_id, graph_denial, adapter)
+        seq = new_sequence(prompt_ids, params, request_id, graph_denial, adapter, output_ids)
         stream = _Stream()
         self._streams[seq.request_id] = stream
         self._send((ADD, seq))
-        return self._stream(seq, stream, interval_s)
+        return self._stream(seq, stream, interval_s, detok, len(output_ids))
+
+    def _detokenizer(self, params: SamplingParams, resume: Resume | None) -> IncrementalDetokenizer:
+        """A new request's detokenizer, or the one a continuation left off with (refused at once when
+        no stream could have been in its state)."""
+        if resume is None:
+            return IncrementalDetokenizer(self.tokenizer, params.stop)
+        try:
+            return IncrementalDetokenizer.restore(self.tokenizer, params.stop, resume.output_ids, resume.detok)
+        except ValueError as e:
+            raise InvalidRequest(f"cannot continue this stream: {e}") from e
 
     def cancel(self, request_id: str, reason: str = "abort") -> None:
         self._send((ABORT, (request_id, reason)))
@@ -182,9 +210,9 @@ class StreamFront(ABC):
         """Change a running request's graph permission from its next step on (it keeps running)."""
         self._send((DENY, (request_id, reason)))
 
-    async def _stream(self, seq: Sequence, stream: _Stream, interval_s: float) -> AsyncIterator[StreamEvent]:
-        detok = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
-        produced = 0
+    async def _stream(
+        self, seq: Sequence, stream: _Stream, interval_s: float, detok: IncrementalDetokenizer, produced: int
+    ) -> AsyncIterator[StreamEvent]:
         finished = False
         try:
             while not finished:
@@ -199,7 +227,8 @@ class StreamFront(ABC):
                     text += "" if hit_stop else detok.flush()
                     finished = True
                 logprobs = item.logprobs[: len(token_ids)] if item.logprobs is not None else None
-                yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason, logprobs)
+                yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason, logprobs,
+                                  seq.seed, detok.state())  # fmt: skip
                 if interval_s and not finished:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stream.ended.wait(), interval_s)

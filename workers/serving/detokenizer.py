@@ -7,9 +7,14 @@ the first stop string.
 Stop strings are matched by one KMP automaton each, advanced over every newly decoded character:
 amortized O(1) per character and stop string, whatever the stop string's length or the text's. The
 text not yet handed out is the held-back tail plus the new characters, never the whole text.
+
+A stream continued on another replica (failover) goes on from `state()`: with the same token ids,
+`restore` gives a detokenizer that hands out exactly what the original would have handed out next.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 
 class StopMatcher:
@@ -45,6 +50,15 @@ class StopMatcher:
         return False
 
 
+class DetokState(NamedTuple):
+    """Where a detokenizer stands apart from its token ids: its decode window (offsets into the ids)
+    and the text it holds back because it could still become a stop string."""
+
+    prefix: int
+    read: int
+    pending: str
+
+
 class IncrementalDetokenizer:
     """One request's completion text, handed out as its tokens arrive."""
 
@@ -58,6 +72,31 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded text not handed out yet: the tail that could still become a stop string
         self._prefix = 0
         self._read = 0
+
+    def state(self) -> DetokState:
+        """What `restore` needs, with the same ids, to go on elsewhere from here."""
+        return DetokState(self._prefix, self._read, self._pending)
+
+    @classmethod
+    def restore(cls, tokenizer, stop: tuple[str, ...], ids: list[int], state: DetokState) -> IncrementalDetokenizer:
+        """The detokenizer `state` was taken from, after `ids`. The stop automata are rebuilt from
+        the held-back text: it is the longest tail of the text that is a prefix of a stop string, so
+        each automaton's state is the longest prefix of its stop string that ends it. ValueError for
+        a state no stream could be in."""
+        detok = cls(tokenizer, stop)
+        prefix, read, pending = state
+        if not (isinstance(prefix, int) and isinstance(read, int) and 0 <= prefix <= read <= len(ids)):
+            raise ValueError(f"decode offsets ({prefix!r}, {read!r}) outside the {len(ids)} token ids")
+        if not isinstance(pending, str) or len(pending) >= max(detok._longest, 1):
+            raise ValueError("held-back text longer than any stop string's prefix")
+        for ch in pending:
+            if any([m.feed(ch) for m in detok._matchers]):  # a list, not a generator: every automaton is fed
+                raise ValueError("held-back text that holds a stop string")
+        if max((m.state for m in detok._matchers), default=0) != len(pending):
+            raise ValueError("held-back text that is not the tail a stop string could still match")
+        detok.ids = list(ids)
+        detok._prefix, detok._read, detok._pending = prefix, read, pending
+        return detok
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

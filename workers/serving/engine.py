@@ -8,6 +8,7 @@ import dataclasses
 import os
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -283,8 +284,10 @@ class LLMEngine:
         request_id: str | None = None,
         graph_denial: FallbackReason | None = None,
         adapter: AdapterKey | None = None,
+        output_ids: Iterable[int] = (),
     ) -> Sequence:
-        seq = new_sequence(prompt_ids, params, request_id, graph_denial, adapter)
+        """Queue a new request, or with output_ids one continued from where another engine left it."""
+        seq = new_sequence(prompt_ids, params, request_id, graph_denial, adapter, output_ids)
         self.add_sequence(seq)
         return seq
 

@@ -17,7 +17,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
@@ -61,12 +61,15 @@ def new_sequence(
     request_id: str | None = None,
     graph_denial: FallbackReason | None = None,
     adapter: tuple[str, str] | None = None,
+    output_ids: Iterable[int] = (),
 ) -> Sequence:
     """A request's state; unseeded requests get a random seed of their own here. A request with a
-    graph_denial (its tenant's reason) is never decoded by a graph replay."""
+    graph_denial (its tenant's reason) is never decoded by a graph replay. A request continued from
+    another engine starts with the tokens it had there (output_ids): its prefill writes them after
+    the prompt and its next token is sampled at their count, the step it was at."""
     seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
-    return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, graph_denial=graph_denial,
-                    adapter=adapter)  # fmt: skip
+    return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, list(output_ids),
+                    graph_denial=graph_denial, adapter=adapter)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,15 @@ class RequestLimits:
         """A logit_bias token outside the vocabulary would fail the batched step, as a prompt id would."""
         if self.vocab_size is not None and any(token >= self.vocab_size for token, _ in params.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})")
+
+    def check_continuation(self, prompt_ids: list[int], output_ids: list[int], max_tokens: int) -> None:
+        """A request continued with the tokens it had elsewhere must be one that engine could have
+        been running: valid ids, and room for at least one more token."""
+        if not output_ids:
+            return
+        self.check_prompt([*prompt_ids, *output_ids])
+        if len(prompt_ids) + len(output_ids) >= self.max_model_len or len(output_ids) >= max_tokens:
+            raise InvalidRequest(f"a continuation after {len(output_ids)} tokens has no token left to generate")
 
 
 class Scheduler:
@@ -125,6 +137,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.limits.check_prompt(seq.prompt_ids)
         self.limits.check_params(seq.params)
+        self.limits.check_continuation(seq.prompt_ids, seq.output_ids, seq.params.max_tokens)
         if self.find(seq.request_id) is not None:
             raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
         if self.num_unfinished >= self.limits.capacity:

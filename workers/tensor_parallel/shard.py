@@ -17,7 +17,7 @@ import torch
 from policies.dispatch import FallbackReason
 from workers.graphs.graph_runner import StepRunners
 from workers.modeling.model import LlamaModel
-from workers.serving.async_engine import AsyncEngine, StreamEvent
+from workers.serving.async_engine import AsyncEngine, Resume, StreamEvent
 from workers.serving.engine import (
     EngineConfig,
     EngineStatus,
@@ -92,8 +92,10 @@ class ShardWorker:
         graph_denial: FallbackReason | None,
         interval_s: float,
         adapter: tuple[str, str] | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, interval_s, adapter):
+        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, interval_s, adapter,
+                                              resume):  # fmt: skip
             yield event
 
     async def check_adapter(self, name: str, path: str) -> dict:

@@ -1,0 +1,111 @@
+"""Failover: a request whose replica (or that replica's engine) dies goes on on another replica,
+and its client sees one stream, token for token what an uninterrupted run gives.
+
+The sampler's noise for token n is a hash of the request's seed and n, so a continuation draws the
+same tokens if it re-prefills the prompt and the tokens already sent, keeps the seed (for an
+unseeded request, the one its engine drew: every item carries it) and samples its next token at
+step n. Its detokenizer goes on from the state the last item carried, so no text is repeated or
+lost, held-back text that could still become a stop string included.
+
+The ingress keeps a `Progress` per request from the items it relays, and when an item says the
+replica or its engine failed (`"retry"`), sends the request again with a `"resume"` (what the
+client has) and an `"avoid"` list (the replicas that failed it). Serve's own router could pick the
+failed replica again: with its engine restarting in place it is alive and, its streams gone, the
+least loaded. `FailoverRouter`, the LLM deployment's request router, is Serve's power of two
+choices (with its locality and model multiplexing preferences) that never offers a replica the
+request avoids.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
+
+from workers.serving.async_engine import Resume
+from workers.serving.detokenizer import DetokState
+from workers.serving.sampling import InvalidRequest
+
+MAX_FAILOVERS = 3  # a request fails over at most this often, then the failure stands
+FAILOVER_TIMEOUT_S = 30.0  # bound on each continuation's wait for its first item (routing, queue, prefill)
+
+
+@dataclass
+class Progress:
+    """What the client of one request has been sent, and which replicas failed it."""
+
+    output_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    detok: tuple | None = None  # the last item's detokenizer state (a DetokState)
+    replica_id: str | None = None  # the replica of the current attempt, once an item named it
+    avoid: list[str] = field(default_factory=list)
+    failovers: int = 0
+
+    def record(self, item: dict) -> None:
+        """An item relayed to the client."""
+        self.output_ids += item["token_ids"]
+        self.seed, self.detok, self.replica_id = item["seed"], item["detok"], item["replica_id"]
+
+    def fail(self, failure: dict) -> bool:
+        """Note a failed attempt; whether the request may go on elsewhere: only after a failure of
+        the replica or its engine (never a client's error or a cancellation), a bounded number of times."""
+        if not failure.get("retry") or self.failovers >= MAX_FAILOVERS:
+            return False
+        failed = failure.get("replica_id") or self.replica_id
+        if failed is not None and failed not in self.avoid:
+            self.avoid.append(failed)
+        self.replica_id = None
+        self.failovers += 1
+        return True
+
+    def payload(self, request: dict) -> dict:
+        """The request for the next attempt: as first sent, plus where to go on from (once an item
+        was relayed: its seed must stay, even with no token yet) and which replicas to avoid."""
+        if not self.failovers:
+            return request
+        resume = None
+        if self.detok is not None:
+            resume = {"output_ids": list(self.output_ids), "seed": self.seed, "detok": tuple(self.detok)}
+        return {**request, "avoid": list(self.avoid), "resume": resume}
+
+
+def continuation(request: dict, n: int = 1) -> Resume | None:
+    """The engine's side of a request's "resume" (None for a first attempt). Only a one-choice
+    request is continued: the ingress fails over one stream, not n."""
+    resume = request.get("resume")
+    if resume is None:
+        return None
+    if n != 1:
+        raise InvalidRequest("a continuation has one choice (n = 1)")
+    return Resume(list(resume["output_ids"]), DetokState(*resume["detok"]))
+
+
+def avoided(pending_request: PendingRequest | None) -> set[str]:
+    """The replica ids a generate request's payload says to avoid (none for other calls)."""
+    args = pending_request.args if pending_request is not None else ()
+    payload = args[0] if args and isinstance(args[0], dict) else {}
+    return set(payload.get("avoid") or ())
+
+
+class FailoverRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Power of two choices among the replicas Serve's preferences offer (a request's adapter's
+    replicas first, then those with the fewest adapters, then all; or the local node's, then all),
+    less those the request avoids. When that leaves none, Serve asks again after a backoff (the
+    preferences widen); a request that avoids every replica waits for a new one, or for its caller's
+    deadline. Each chosen replica serves the request it was chosen for (no FIFO hand-over: the next
+    request in line might avoid it)."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None and pending_request.metadata.multiplexed_model_id:
+            ids = self.apply_multiplex_routing(pending_request=pending_request)
+        else:
+            ids = self.apply_locality_routing(pending_request=pending_request)
+        avoid = avoided(pending_request)
+        replicas = self.curr_replicas
+        ids = [i for i in ids if i.unique_id not in avoid and i in replicas]
+        if not ids:
+            return []
+        return [[replicas[i] for i in random.sample(ids, min(2, len(ids)))]]

@@ -1,0 +1,350 @@
+"""The pure parts of failover (`app/failover.py`): a detokenizer restored from its state hands out
+exactly what the original would have; an engine continuing a stream from any of its events (the
+tokens sent so far, the seed, the detokenizer state) gives the uninterrupted run's tokens, text and
+usage; the ingress's bookkeeping and its failover loop (on a fake Serve handle) retry only replica
+and engine failures, a bounded number of times and within a deadline, avoiding the replicas that
+failed; the router never offers an avoided replica."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from app.failover import MAX_FAILOVERS, FailoverRouter, Progress, avoided, continuation
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
+from workers.serving.async_engine import AsyncEngine, Resume, StreamEvent
+from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
+from workers.serving.sampling import InvalidRequest, SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+BOS = 256
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+def enc(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def random_chunks(rng: random.Random, ids: list[int], most: int = 5) -> list[list[int]]:
+    chunks, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, most)
+        chunks.append(ids[i : i + n])
+        i += n
+    return chunks
+
+
+def stream_pieces(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> list[tuple[str, bool]]:
+    """What each chunk hands out, then the flush (as a last piece) unless a stop string hit."""
+    out = []
+    for chunk in chunks:
+        out.append(detok.add(chunk))
+        if out[-1][1]:
+            return out
+    return [*out, (detok.flush(), False)]
+
+
+# ---------------------------------------------------------------- detokenizer state
+
+
+def test_a_restored_detokenizer_goes_on_as_the_original(tiny):
+    """Cut a stream after any chunk and restore a new detokenizer from the state there: the rest of
+    the pieces are the uninterrupted stream's, held-back text (a possible stop string's start, an
+    incomplete character) neither lost nor repeated. Random texts, stop strings and chunkings; some
+    cuts hold text back, some streams end on a stop string."""
+    held_back = stopped = 0
+    for seed in range(16):
+        rng = random.Random(seed)
+        text = "".join(rng.choice("aab€ ") for _ in range(90))
+        stops = tuple({"".join(rng.choice("aab€") for _ in range(rng.randint(2, 6))) for _ in range(rng.randint(0, 3))})
+        chunks = random_chunks(rng, enc(tiny.tokenizer, text))
+        whole = stream_pieces(IncrementalDetokenizer(tiny.tokenizer, stops), chunks)
+        stopped += whole[-1][1]
+        for cut in range(1, len(whole)):
+            original = IncrementalDetokenizer(tiny.tokenizer, stops)
+            for chunk in chunks[:cut]:
+                original.add(chunk)
+            state = original.state()
+            held_back += bool(state.pending)
+            sent = [t for chunk in chunks[:cut] for t in chunk]
+            restored = IncrementalDetokenizer.restore(tiny.tokenizer, stops, sent, state)
+            assert restored.state() == state
+            assert whole[:cut] + stream_pieces(restored, chunks[cut:]) == whole, (seed, cut)
+    assert held_back >= 10 and stopped >= 3, (held_back, stopped)
+
+
+def test_a_state_no_stream_could_be_in_is_refused(tiny):
+    ids = enc(tiny.tokenizer, "abcab")
+    stops = ("abd",)
+    good = IncrementalDetokenizer(tiny.tokenizer, stops)
+    assert good.add(ids) == ("abc", False) and good.state() == DetokState(0, 5, "ab")
+    for bad in (DetokState(0, 6, "ab"), DetokState(3, 2, "ab"), DetokState(0, 5, "abd"), DetokState(0, 5, "b"),
+                DetokState(0, 5, "x"), DetokState("0", 5, "ab")):  # fmt: skip
+        with pytest.raises(ValueError):
+            IncrementalDetokenizer.restore(tiny.tokenizer, stops, ids, bad)
+    with pytest.raises(ValueError):  # without stop strings nothing is ever held back
+        IncrementalDetokenizer.restore(tiny.tokenizer, (), ids, DetokState(0, 5, "ab"))
+
+
+# ---------------------------------------------------------------- continuing a stream in an engine
+
+
+@pytest.fixture
+async def runner(tiny):
+    engine = AsyncEngine(new_engine(tiny, max_num_seqs=4), tiny.tokenizer).start()
+    yield engine
+    engine.shutdown()
+
+
+async def events_of(stream) -> list[StreamEvent]:
+    return [event async for event in stream]
+
+
+def summary(events: list[StreamEvent]) -> tuple:
+    last = events[-1]
+    ids = [t for e in events for t in e.token_ids]
+    return ids, "".join(e.text for e in events), last.finish_reason, last.prompt_tokens, last.completion_tokens
+
+
+CASES = {
+    "greedy": SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+    "seeded": SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True),
+    "unseeded": SamplingParams(max_tokens=40, temperature=1.2, top_k=40, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("case", [*CASES, "stop"])
+async def test_a_continuation_from_any_event_gives_the_uninterrupted_run(tiny, runner, case):
+    """Each event of a run is a place a replica could die: continuing from the tokens sent up to
+    it, with the run's seed (for an unseeded request the one its engine drew, from the events) and
+    the detokenizer state it carried, the rest has the run's token ids, text, finish reason and
+    usage. The stop-string case ends on a stop string taken from the run's own late text."""
+    prompt = [BOS, *enc(tiny.tokenizer, f"failover {case}")]
+    params = CASES.get(case) or CASES["greedy"]
+    if case == "stop":
+        text = summary(await events_of(runner.submit(prompt, params, interval_s=0)))[1]
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(text[-8:-5],))
+    events = await events_of(runner.submit(prompt, params, interval_s=0))
+    ids, text, reason, prompt_tokens, completion_tokens = whole = summary(events)
+    assert len(events) > 5 and reason == ("stop" if case == "stop" else "length")
+    seed = events[0].seed
+    assert seed is not None and all(e.seed == seed for e in events)
+    again = SamplingParams(**{**params.__dict__, "seed": seed})
+    for n, event in enumerate(events[:-1], 1):
+        sent = [t for e in events[:n] for t in e.token_ids]
+        rest = await events_of(runner.submit(prompt, again, resume=Resume(sent, event.detok), interval_s=0))
+        assert summary(events[:n] + rest) == whole, f"continued after event {n}"
+        assert rest[0].completion_tokens > len(sent) and rest[-1].prompt_tokens == prompt_tokens
+    assert completion_tokens == len(ids) and text
+
+
+async def test_a_continuation_with_nothing_left_to_generate_is_refused(tiny, runner):
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    state = DetokState(0, 0, "")
+    with pytest.raises(InvalidRequest):
+        runner.submit([BOS, 1], params, resume=Resume([5, 6, 7], state))
+    with pytest.raises(InvalidRequest):
+        runner.submit([BOS, 1], params, resume=Resume([5, tiny.model.cfg.vocab_size], state))
+    with pytest.raises(InvalidRequest):
+        runner.submit([BOS, 1], params, resume=Resume([5], DetokState(0, 2, "")))
+    events = await asyncio.wait_for(events_of(runner.submit([BOS, 1], params, resume=Resume([5, 6], state))), 30)
+    assert events[-1].completion_tokens == 3 and len(events[-1].token_ids) + 2 == 3
+
+
+# ---------------------------------------------------------------- the ingress's bookkeeping
+
+
+def chunk(ids: list[int], replica: str = "r1", seed: int = 9) -> dict:
+    return {"text": "x", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 0, "token_ids": ids,
+            "seed": seed, "detok": DetokState(0, len(ids), ""), "replica_id": replica}  # fmt: skip
+
+
+ENGINE_DEAD = {"error": "the engine failed", "status": 503, "retry": True, "replica_id": "r1"}
+
+
+def test_progress_resumes_from_what_the_client_has_and_avoids_who_failed():
+    request = {"prompt": "hi", "sampling": {"seed": None}}
+    progress = Progress()
+    assert progress.payload(request) is request  # a first attempt goes out as it came
+    progress.record(chunk([1, 2]))
+    progress.record(chunk([3]))
+    assert progress.fail(ENGINE_DEAD)
+    payload = progress.payload(request)
+    assert payload["avoid"] == ["r1"] and payload["prompt"] == "hi" and "resume" not in request
+    assert payload["resume"] == {"output_ids": [1, 2, 3], "seed": 9, "detok": (0, 1, "")}
+    resume = continuation(payload)
+    assert resume == Resume([1, 2, 3], DetokState(0, 1, "")) and continuation(request) is None
+
+    progress.record(chunk([4], replica="r2"))  # the second replica fails without naming itself
+    assert progress.fail({"error": "the replica serving this request failed", "status": 503, "retry": True})
+    assert progress.payload(request)["avoid"] == ["r1", "r2"]
+    assert progress.payload(request)["resume"]["output_ids"] == [1, 2, 3, 4]
+
+
+def test_a_failure_before_any_item_resumes_nothing():
+    progress = Progress()
+    assert progress.fail({"error": "the replica serving this request failed", "status": 503, "retry": True})
+    assert progress.payload({"prompt": "hi"}) == {"prompt": "hi", "avoid": [], "resume": None}
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        {"error": "bad adapter", "status": 400},
+        {"error": "the queue is full", "status": 503},
+        {"error": "the engine failed to run this request", "status": 500},
+        {"error": "this replica is swapping its model", "status": 503, "swapping": True},
+    ],
+)
+def test_client_errors_and_other_failures_are_not_retried(failure):
+    progress = Progress()
+    progress.record(chunk([1]))
+    assert not progress.fail(failure)
+    assert progress.payload({"prompt": "hi"}) == {"prompt": "hi"}
+
+
+def test_failovers_are_bounded():
+    progress = Progress()
+    for n in range(MAX_FAILOVERS):
+        progress.record(chunk([n], replica=f"r{n}"))
+        assert progress.fail({**ENGINE_DEAD, "replica_id": f"r{n}"})
+    assert not progress.fail(ENGINE_DEAD)
+
+
+def test_the_router_reads_what_a_request_avoids():
+    def pending(*args):
+        return SimpleNamespace(args=list(args))
+
+    assert avoided(pending({"prompt": "hi", "avoid": ["r1", "r2"]})) == {"r1", "r2"}
+    assert avoided(pending({"prompt": "hi"})) == set()
+    assert avoided(pending("adapter-name", "/path")) == set()  # check_adapter calls
+    assert avoided(None) == set()
+
+
+@dataclass(frozen=True)
+class FakeId:
+    unique_id: str
+
+
+async def test_the_router_never_offers_an_avoided_replica():
+    """choose_replicas (on a stand-in for Serve's router state): two of the candidates Serve's
+    preferences give, never one the request avoids; none when it avoids them all (Serve then backs
+    off and asks again)."""
+    ids = [FakeId(f"r{n}") for n in range(3)]
+    router = SimpleNamespace(curr_replicas={i: f"replica {i.unique_id}" for i in ids},
+                             apply_locality_routing=lambda pending_request: set(ids))  # fmt: skip
+
+    def pending(avoid):
+        return SimpleNamespace(args=[{"avoid": avoid}], metadata=SimpleNamespace(multiplexed_model_id=""))
+
+    for _ in range(20):
+        (chosen,) = await FailoverRouter.choose_replicas(router, [], pending(["r1"]))
+        assert len(chosen) == 2 and "replica r1" not in chosen
+    assert await FailoverRouter.choose_replicas(router, [], pending(["r0", "r2"])) == [["replica r1"]]
+    assert await FailoverRouter.choose_replicas(router, [], pending(["r0", "r1", "r2"])) == []
+
+
+# ---------------------------------------------------------------- the ingress's failover loop
+
+
+class FakeResponse:
+    """A replica's streamed answer: its items, then the stream ends, raises, or never goes on."""
+
+    def __init__(self, items: list[dict], then: str = "end") -> None:
+        self.items, self.then, self.cancelled = items, then, False
+        self._stream = self._items()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __aiter__(self):
+        return self._stream  # one iterator, as Serve's response generator is its own
+
+    async def _items(self):
+        for item in self.items:
+            yield item
+        if self.then == "raise":
+            raise ConnectionError("the replica's actor died")
+        if self.then == "hang":
+            await asyncio.Event().wait()
+
+
+class FakeHandle:
+    """The LLM deployment's handle: each call takes the next scripted response and keeps the payload."""
+
+    def __init__(self, responses: list[FakeResponse]) -> None:
+        self.responses, self.payloads = list(responses), []
+        self.generate = SimpleNamespace(remote=self._remote)
+
+    def _remote(self, payload: dict) -> FakeResponse:
+        self.payloads.append(payload)
+        return self.responses.pop(0)
+
+
+def ingress(responses: list[FakeResponse], serving: set[str]):
+    """The ingress's failover methods on a stand-in with a fake handle and readiness view."""
+    from app.ingress import Ingress
+
+    async def serving_now() -> set[str]:
+        return serving
+
+    fake = SimpleNamespace(config=SimpleNamespace(swap_queue_timeout_s=1.0), llm=FakeHandle(responses),
+                           readiness=SimpleNamespace(serving=serving_now))  # fmt: skip
+    for name in ("_resumable", "_first_item", "_fails_over"):
+        setattr(fake, name, getattr(Ingress, name).__get__(fake))
+    return fake
+
+
+def text_chunk(ids: list[int], replica: str, finish: str | None = None) -> dict:
+    return {**chunk(ids, replica), "text": "".join(map(str, ids)), "finish_reason": finish}
+
+
+async def drain(fake) -> list[dict]:
+    return [item async for item in fake._resumable({"prompt": "hi", "sampling": {}}, None)]
+
+
+async def test_the_ingress_goes_on_on_another_replica_after_an_engine_or_replica_failure():
+    first = FakeResponse([text_chunk([1, 2], "r1"), ENGINE_DEAD])
+    second = FakeResponse([text_chunk([3], "r2")], then="raise")  # this replica is lost mid-stream
+    third = FakeResponse([text_chunk([4], "r3", "length")])
+    fake = ingress([first, second, third], {"r1", "r2", "r3"})
+    items = await drain(fake)
+    assert [i["text"] for i in items] == ["12", "3", "4"] and items[-1]["finish_reason"] == "length"
+    assert first.cancelled and second.cancelled
+    _, to_r2, to_r3 = fake.llm.payloads
+    assert to_r2["avoid"] == ["r1"] and to_r2["resume"]["output_ids"] == [1, 2]
+    assert to_r3["avoid"] == ["r1", "r2"] and to_r3["resume"]["output_ids"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("serving", [{"r1"}, {"r1", "r2"}])
+async def test_the_ingress_does_not_retry_client_errors_or_without_another_replica(serving):
+    refused = {"error": "adapter 'x' cannot be served", "status": 400}
+    rest = FakeResponse([text_chunk([2], "r2", "length")])
+    fake = ingress([FakeResponse([text_chunk([1], "r1"), refused]), rest], serving)
+    assert (await drain(fake))[-1] == refused and len(fake.llm.payloads) == 1
+    fake = ingress([FakeResponse([text_chunk([1], "r1"), ENGINE_DEAD]), rest], serving)
+    last = (await drain(fake))[-1]
+    assert last == (ENGINE_DEAD if serving == {"r1"} else rest.items[0]) and len(fake.llm.payloads) == len(serving)
+
+
+async def test_the_ingress_gives_up_after_the_bound_or_the_deadline(monkeypatch):
+    from app.ingress import Ingress
+
+    failing = [FakeResponse([ENGINE_DEAD | {"replica_id": f"r{n}"}]) for n in range(MAX_FAILOVERS + 1)]
+    fake = ingress(failing, {f"r{n}" for n in range(MAX_FAILOVERS + 2)})
+    assert (await drain(fake))[-1]["retry"] and len(fake.llm.payloads) == MAX_FAILOVERS + 1
+
+    # Serve's ingress decorator gives the class's functions globals of their own: patch those.
+    monkeypatch.setitem(Ingress._resumable.__globals__, "FAILOVER_TIMEOUT_S", 0.05)
+    stuck = FakeResponse([], then="hang")  # the continuation's first item never comes
+    fake = ingress([FakeResponse([text_chunk([1], "r1"), ENGINE_DEAD]), stuck], {"r1", "r2"})
+    items = await asyncio.wait_for(drain(fake), 5)
+    assert items[-1] == ENGINE_DEAD and stuck.cancelled
