@@ -8,14 +8,12 @@ and SmolLM2's (576 -> 49152). Compare the two as ratios within this run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.report import write_report
 from workers.modeling.model import fp32_linear
 
 SHAPES = {"8b": (4096, 128256), "smollm2": (576, 49152)}
@@ -54,16 +52,10 @@ def main() -> None:
             fp32 = replay_ms(fp32_linear, x, weight, args.replays)
             rows.append(dict(shape=name, batch_size=bs, bf16_ms=bf16, fp32_ms=fp32, ratio=fp32 / bf16))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, replays=args.replays)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["| shape | bs | bf16 logits | fp32 logits | ratio |", "|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['batch_size']} | {r['bf16_ms'] * 1e3:.1f} us | {r['fp32_ms'] * 1e3:.1f} us | "
               f"{r['ratio']:.3f}x |" for r in rows]  # fmt: skip
-    table = "\n".join(lines)
-    Path(args.out).with_suffix(".md").write_text(
-        f"{table}\n\n`python bench/fp32_logits.py {' '.join(sys.argv[1:])}` on {meta['device']}, "
-        f"torch {meta['torch']}\n"
-    )
-    print(table)
+    write_report(args.out, {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

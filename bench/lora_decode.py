@@ -16,9 +16,7 @@ target) and the whole load with the disk read and the verification probe.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.decode_tpot import percentile, timed_steps
+from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import random_model, write_random_adapter
 from workers.modeling.lora import LoraLimits
@@ -126,13 +125,9 @@ def main() -> None:
     loads = load_times(lora, adapters, repeats=8)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=args.config, context=CONTEXT,
                 rank=RANK, max_loras=MAX_LORAS, compile=args.compile, rounds=args.rounds)  # fmt: skip
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "memory": memory, "loads": loads}, indent=1))
-    table = markdown(rows, memory, loads)
-    Path(args.out).with_suffix(".md").write_text(
-        f"{table}\n\n`python bench/lora_decode.py {' '.join(sys.argv[1:])}` on {meta['device']}, "
-        f"torch {meta['torch']}\n"
+    write_report(
+        args.out, {"meta": meta, "rows": rows, "memory": memory, "loads": loads}, markdown(rows, memory, loads)
     )
-    print(table)
 
 
 def markdown(rows: list[dict], memory: dict, loads: dict) -> str:

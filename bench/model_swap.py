@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
 from workers.serving.engine import EngineConfig, LLMEngine
@@ -94,12 +93,7 @@ def main() -> None:
         rows.append(measure(name, Path(args.root)))
         print(rows[-1], flush=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, buckets=list(BUCKETS))
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    table = markdown(rows)
-    Path(args.out).with_suffix(".md").write_text(
-        f"{table}\n\n`python bench/model_swap.py {' '.join(sys.argv[1:])}` on {meta['device']}, torch {meta['torch']}\n"
-    )
-    print(table)
+    write_report(args.out, {"meta": meta, "rows": rows}, markdown(rows))
 
 
 if __name__ == "__main__":

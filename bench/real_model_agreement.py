@@ -12,12 +12,12 @@ part, and whether the whole answers are equal.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
+from bench.report import write_report
 from workers.modeling.default_model import cache_dir, smollm2_file
 from workers.modeling.gguf import converted
 from workers.serving.engine import EngineConfig, LLMEngine
@@ -102,17 +102,13 @@ def main() -> None:
     summary = {f"{a}_vs_{b}_equal": sum(r[f"{a}_vs_{b}_equal"] for r in rows) for a, b in PAIRS}
     meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
                 model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)", max_tokens=args.max_tokens)  # fmt: skip
-    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     lines = ["| prompt | ours = sdpa (shared tokens) | ours = eager | sdpa = eager |", "|---|---|---|---|"]
     for r in rows:
         cells = [f"{'yes' if r[f'{a}_vs_{b}_equal'] else 'no'} ({r[f'{a}_vs_{b}_shared']})" for a, b in PAIRS]
         lines.append(f"| {r['prompt']} | " + " | ".join(cells) + " |")
     lines.append(f"| **equal answers of {len(rows)}** | " + " | ".join(str(v) for v in summary.values()) + " |")
-    Path(args.out).with_suffix(".md").write_text(
-        "\n".join(lines) + f"\n\nGreedy, up to {args.max_tokens} tokens, {meta['model']} on {meta['device']}, torch "
-        f"{meta['torch']}.\n`python bench/real_model_agreement.py {' '.join(sys.argv[1:])}`\n"
-    )
-    print("\n".join(lines))
+    note = f"Greedy, up to {args.max_tokens} tokens, {meta['model']}.\n"
+    write_report(args.out, {"meta": meta, "summary": summary, "rows": rows}, "\n".join(lines), note)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ included; on CUDA each step is timed between synchronizations. Medians, and rati
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.report import write_report
 from workers.serving.batch_sampler import BatchSampler
 from workers.serving.sampling import SamplingParams
 from workers.serving.scheduler import Sequence, new_sequence
@@ -106,13 +104,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     meta = dict(device=name, torch=torch.__version__, vocab=VOCAB, dtype=str(dtype), prompt=PROMPT,
                 generated=GENERATED)  # fmt: skip
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    table = markdown(rows)
-    Path(args.out).with_suffix(".md").write_text(
-        f"{table}\n\nMedian ms per decode step of the sampler (ratio to greedy), vocab {VOCAB}, logits in {dtype}.\n"
-        f"`python bench/sampling_cost.py {' '.join(sys.argv[1:])}` on {name}, torch {meta['torch']}\n"
-    )
-    print(table)
+    note = f"Median ms per decode step of the sampler (ratio to greedy), vocab {VOCAB}, logits in {dtype}.\n"
+    write_report(args.out, {"meta": meta, "rows": rows}, markdown(rows), note)
 
 
 if __name__ == "__main__":

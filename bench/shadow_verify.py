@@ -14,15 +14,13 @@ recomputation is the costly one).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 from bench.decode_tpot import long_context_tpot, percentile, seeded_decode_batch
+from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import random_model
 from workers.serving.engine import EngineConfig, LLMEngine
@@ -100,13 +98,7 @@ def main() -> None:
         del engine, model
         torch.cuda.empty_cache()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, context=CONTEXT, rounds=args.rounds)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "detection": detection}, indent=1))
-    table = markdown(rows, detection)
-    Path(args.out).with_suffix(".md").write_text(
-        f"{table}\n\n`python bench/shadow_verify.py {' '.join(sys.argv[1:])}`"
-        f" on {meta['device']}, torch {meta['torch']}\n"
-    )
-    print(table)
+    write_report(args.out, {"meta": meta, "rows": rows, "detection": detection}, markdown(rows, detection))
 
 
 def markdown(rows: list[dict], detection: list[dict]) -> str:

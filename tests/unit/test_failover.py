@@ -16,6 +16,7 @@ import pytest
 
 from app.failover import MAX_FAILOVERS, FailoverRouter, Progress, avoided, continuation
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
+from tests.unit.test_detokenizer import random_chunks
 from workers.serving.async_engine import AsyncEngine, Resume, StreamEvent
 from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
 from workers.serving.sampling import InvalidRequest, SamplingParams
@@ -31,15 +32,6 @@ def tiny(tmp_path_factory) -> Tiny:
 
 def enc(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def random_chunks(rng: random.Random, ids: list[int], most: int = 5) -> list[list[int]]:
-    chunks, i = [], 0
-    while i < len(ids):
-        n = rng.randint(1, most)
-        chunks.append(ids[i : i + n])
-        i += n
-    return chunks
 
 
 def stream_pieces(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> list[tuple[str, bool]]:
@@ -65,7 +57,7 @@ def test_a_restored_detokenizer_goes_on_as_the_original(tiny):
         rng = random.Random(seed)
         text = "".join(rng.choice("aab€ ") for _ in range(90))
         stops = tuple({"".join(rng.choice("aab€") for _ in range(rng.randint(2, 6))) for _ in range(rng.randint(0, 3))})
-        chunks = random_chunks(rng, enc(tiny.tokenizer, text))
+        chunks = random_chunks(rng, enc(tiny.tokenizer, text), most=5)
         whole = stream_pieces(IncrementalDetokenizer(tiny.tokenizer, stops), chunks)
         stopped += whole[-1][1]
         for cut in range(1, len(whole)):
