@@ -112,6 +112,7 @@ class GraphRunner:
         max_rows = max(buckets)
         self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=self.device)
         self._host = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
 
     @property
     def enabled(self) -> bool:
@@ -151,7 +152,18 @@ class GraphRunner:
         return eager
 
     def eager(self, batch: DecodeInputs) -> torch.Tensor:
+        """Logits of a step run without graphs. Where the batch's bucket is captured, this runs the
+        function it was captured from (compiled, if the policy compiles) on the same padded static
+        inputs: a replay computes exactly that, so a request's tokens do not depend on whether it
+        replays or is denied graphs (tenant toggle, rollout holdback). cuBLAS picks its kernels by
+        the row count and the compiled step rounds unlike the plain one, and on a real model's near
+        ties either alone changes tokens. Elsewhere (no graphs, a bucket that failed to capture,
+        rows above the ladder) the plain step on the live rows."""
+        bucket = self.table.padded_size(batch.rows) if self.enabled else None
         self.cache.set_pages(batch.pages)
+        if bucket in self.table.ready:
+            self._load(batch, bucket)
+            return self._step(bucket)[: batch.rows]
         tokens, positions, slots, adapters = batch.to_device(self.device)
         return self.model.decode(tokens, positions, slots, self.cache, adapters if self.lora else None)
 
@@ -164,11 +176,15 @@ class GraphRunner:
     def _load(self, batch: DecodeInputs, bucket: int) -> None:
         """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
         n = batch.rows
+        if self._copied is not None:  # a step may load twice (replayed rows, then denied ones)
+            self._copied.synchronize()  # the last copy has read the pinned buffer
         host = self._host[:, :bucket]
         host[:, :n] = torch.tensor(batch[:4])
         host[:, n:] = 0
         host[2, n:] = self.cache.scratch_slot
         self.inputs[:, :bucket].copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """tokens, positions, slots and (LoRA runner only) adapter slots of a bucket's static inputs."""
