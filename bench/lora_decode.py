@@ -1,14 +1,14 @@
 """What LoRA slots cost a decode step on the GPU, and how long loading an adapter takes.
 
 One model of real shape (random bf16 weights, max_model_len 8192, live contexts of 256), two
-engines over it: the base engine without LoRA,
-and a LoRA engine (max_loras 8, max_lora_rank 16, every linear layer). At each batch size, turns
-of `--steps` decode steps taking turns between: the base engine; the LoRA engine with rows that
-name no adapter (its plain graphs); the same rows forced through its LoRA graphs (what a server
-without separate plain graphs would pay: the measurement behind keeping both); and rows spread
-over 1, 4 and 8 distinct rank-16 adapters. Compare TPOT as ratios to the base engine within this
-run. Then the extra memory (slots, graphs) and adapter loads: the copy into a slot (the <= 50 ms
-target) and the whole load with the disk read and the verification probe.
+engines over it: the base engine without LoRA, and a LoRA engine (max_loras 8, every linear layer).
+At each batch size, turns of `--steps` decode steps taking turns between: the base engine; the LoRA
+engine with rows that name no adapter (its plain graphs); the same rows forced through its LoRA
+graphs (what a server without separate plain graphs would pay: the measurement behind keeping
+both); and rows spread over 1, 4 and 8 distinct rank-16 adapters (in slots of `--max-lora-rank`, 16
+unless set). Compare TPOT as ratios to the base engine within this run. Then the extra memory
+(slots, graphs) and adapter loads: the copy into a slot (the <= 50 ms target) and the whole load
+with the disk read and the verification probe.
 
     python bench/lora_decode.py --config 8b --out bench/results/lora_decode_h200.json
 """
@@ -94,12 +94,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--compile", action="store_true", help="torch.compile the step (off: plain graphs)")
+    ap.add_argument("--max-lora-rank", type=int, default=RANK, help="slot size; the adapters stay rank 16")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     buckets = tuple(sorted(set(args.batch_sizes)))
     model = random_model(args.config, MAX_MODEL_LEN, "cuda")
     base = make_engine(model, buckets, None, args.compile)  # before the LoRA engine adds slots to the model
-    lora = make_engine(model, buckets, LoraLimits(MAX_LORAS, RANK), args.compile)
+    lora = make_engine(model, buckets, LoraLimits(MAX_LORAS, args.max_lora_rank), args.compile)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     adapters = [(f"a{i}", str(write_random_adapter(tmp / f"a{i}", model.cfg, RANK, seed=i, device="cuda")))
                 for i in range(MAX_LORAS)]  # fmt: skip
@@ -124,7 +125,8 @@ def main() -> None:
               "lora_graphs_mb": lora.runners.lora.graph_memory_mb()}  # fmt: skip
     loads = load_times(lora, adapters, repeats=8)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=args.config, context=CONTEXT,
-                rank=RANK, max_loras=MAX_LORAS, compile=args.compile, rounds=args.rounds)  # fmt: skip
+                rank=RANK, max_lora_rank=args.max_lora_rank, max_loras=MAX_LORAS, compile=args.compile,
+                rounds=args.rounds)  # fmt: skip
     write_report(
         args.out, {"meta": meta, "rows": rows, "memory": memory, "loads": loads}, markdown(rows, memory, loads)
     )
