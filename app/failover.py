@@ -9,23 +9,27 @@ lost, held-back text that could still become a stop string included.
 
 The ingress keeps a `Progress` per request from the items it relays, and when an item says the
 replica or its engine failed (`"retry"`), sends the request again with a `"resume"` (what the
-client has) and an `"avoid"` list (the replicas that failed it). Serve's own router could pick the
-failed replica again: with its engine restarting in place it is alive and, its streams gone, the
-least loaded. `FailoverRouter`, the LLM deployment's request router, is Serve's power of two
-choices (with its locality and model multiplexing preferences) that never offers a replica the
-request avoids.
+client has) and an `"avoid"` list (the replicas that failed it). A request for n > 1 choices runs
+them side by side on one replica; when that fails, each unfinished choice goes on by itself, as a
+one-choice request with that choice's seed and progress, and its items come back under its index.
+Serve's own router could pick the failed replica again: with its engine restarting in place it is
+alive and, its streams gone, the least loaded. `FailoverRouter`, the LLM deployment's request
+router, is Serve's power of two choices (with its locality and model multiplexing preferences) that
+never offers a replica the request avoids.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from workers.serving.async_engine import Resume
 from workers.serving.detokenizer import DetokState
-from workers.serving.sampling import InvalidRequest
+from workers.serving.sampling import InvalidRequest, choice_seed
 
 MAX_FAILOVERS = 3  # a request fails over at most this often, then the failure stands
 FAILOVER_TIMEOUT_S = 30.0  # bound on each continuation's wait for its first item (routing, queue, prefill)
@@ -70,9 +74,52 @@ class Progress:
         return {**request, "avoid": list(self.avoid), "resume": resume}
 
 
+def one_choice(request: dict, index: int) -> dict:
+    """Choice `index` of an n-choice request as a request of its own: n = 1, and the seed the
+    replica gave that choice (a seeded request derives it; an unseeded one's comes with the
+    choice's items, in its progress)."""
+    seed = request["sampling"]["seed"]
+    sampling = {**request["sampling"], "seed": None if seed is None else choice_seed(seed, index)}
+    return {**request, "n": 1, "sampling": sampling}
+
+
+async def merged(streams: dict[int, AsyncGenerator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """(index, item) of each stream's items as they come. The streams start one after another, each
+    once the one before has yielded its first item (or ended): Serve's router keeps the calls of one
+    request that wait for a replica under the request's id, one per id, so two waiting together
+    leave one unrouted for good. The first item is the first stream's (choice 0's, when nothing was
+    sent yet: the seed header is choice 0's). Leaving early cancels every stream."""
+    waiting = list(streams.items())
+    pending: dict[asyncio.Future, tuple[int, bool]] = {}  # the next read of a stream: its index, is it its first
+
+    def start_next() -> None:
+        if waiting:
+            i, stream = waiting.pop(0)
+            pending[asyncio.ensure_future(anext(stream, None))] = (i, True)
+
+    start_next()
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                (i, first), item = pending.pop(task), task.result()
+                if first:
+                    start_next()
+                if item is None:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i], None))] = (i, False)
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams.values():
+            await stream.aclose()
+
+
 def continuation(request: dict, n: int = 1) -> Resume | None:
     """The engine's side of a request's "resume" (None for a first attempt). Only a one-choice
-    request is continued: the ingress fails over one stream, not n."""
+    request is continued: the ingress continues each choice of an n-choice request on its own."""
     resume = request.get("resume")
     if resume is None:
         return None

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app import auth
 from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
 from app.controller import ControllerClient, ControllerUnavailable
-from app.failover import FAILOVER_TIMEOUT_S, Progress
+from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice
 from app.metrics import render
 from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
@@ -284,7 +284,7 @@ class Ingress:
         else:
             payload["prompt"] = req.prompt
         adapter_name = adapter[0] if adapter else None
-        items = self._resumable(payload, adapter_name) if req.n == 1 else self._one_attempt(payload, adapter_name)
+        items = self._resumable(payload, adapter_name) if req.n == 1 else self._choices(payload, adapter_name)
         first = await anext(items)
         if "error" in first:
             await items.aclose()
@@ -301,12 +301,15 @@ class Ingress:
         response.headers.update(seed)
         return response
 
-    async def _resumable(self, payload: dict, adapter: str | None) -> AsyncGenerator[dict]:
+    async def _resumable(
+        self, payload: dict, adapter: str | None, progress: Progress | None = None, failure: dict = _REPLICA_GONE
+    ) -> AsyncGenerator[dict]:
         """The request's items, from one replica or, when it or its engine fails, from another that
         goes on where the client is (`app/failover.py`): with another replica serving, at most
         MAX_FAILOVERS times, each continuation's first item within FAILOVER_TIMEOUT_S. Otherwise the
-        failure ends the items as it did before failover (an error item)."""
-        progress, failure = Progress(), _REPLICA_GONE
+        failure ends the items as it did before failover (an error item). With `progress` (and the
+        `failure` that ended its last attempt), a request already under way goes on."""
+        progress = progress or Progress()
         while True:
             try:
                 async with asyncio.timeout(FAILOVER_TIMEOUT_S if progress.failovers else None):
@@ -331,16 +334,38 @@ class Ingress:
                 yield failure
                 return
 
-    async def _one_attempt(self, payload: dict, adapter: str | None) -> AsyncGenerator[dict]:
-        """The items of a request with n > 1 choices from one replica: failover continues one stream,
-        so a failure here ends the choices with an error item, as it did before failover."""
-        items, first = await self._first_item(payload, adapter)
+    async def _choices(self, payload: dict, adapter: str | None) -> AsyncGenerator[dict]:
+        """The items of a request with n > 1 choices: all of them from one replica, side by side;
+        when it or its engine fails, each unfinished choice goes on by itself (`_resumable` of
+        `one_choice`, from that choice's progress), its items under its index."""
+        n = payload["n"]
+        progress, finished = [Progress() for _ in range(n)], set()
+        items, item = await self._first_item(payload, adapter)
+        rest = _items(items)
         try:
-            yield first or _REPLICA_GONE
-            async for item in _items(items):
+            item = item or _REPLICA_GONE
+            while "error" not in item:
+                progress[item["index"]].record(item)
                 yield item
+                if item["finish_reason"] is not None:
+                    finished.add(item["index"])
+                    if len(finished) == n:
+                        return
+                item = await anext(rest, _REPLICA_GONE)
         finally:
             items.cancel()
+        going_on = [i for i in range(n) if i not in finished]
+        replica = item.get("replica_id") or next((p.replica_id for p in progress if p.replica_id), None)
+        failure = {**item, "replica_id": replica}  # avoided by every choice, those that had no item yet too
+        if not all([await self._fails_over(progress[i], failure) for i in going_on]):
+            yield item
+            return
+        continued = {i: self._resumable(one_choice(payload, i), adapter, progress[i], item) for i in going_on}
+        async for i, choice_item in merged(continued):
+            if "error" in choice_item:
+                yield choice_item
+                return
+            yield {**choice_item, "index": i}
 
     async def _fails_over(self, progress: Progress, failure: dict) -> bool:
         """Whether a failed attempt goes on elsewhere: a replica or engine failure, within the

@@ -1,8 +1,9 @@
 """Streams survive the loss of a replica's engine: with two replicas, the engine child of one is
 killed (SIGKILL) while streams run on it, and every request completes as one uninterrupted stream
 whose text, finish reason and usage equal a reference run of the same requests on the same app
-without the kill: greedy and seeded streams, a stream with a stop string, non-streamed requests, and
-an unseeded sampled stream through a LoRA adapter (its drawn seed and its adapter carry over to the
+without the kill: greedy and seeded streams, a stream with a stop string, non-streamed requests,
+requests for several choices (streamed and not; each unfinished choice goes on by itself), and an
+unseeded sampled stream through a LoRA adapter (its drawn seed and its adapter carry over to the
 other replica; sent back as `seed`, the seed it reports samples the same completion again).
 
 The OpenAI API returns text, not token ids: with the tiny model's byte-level tokenizer every token is
@@ -30,6 +31,7 @@ MODEL = "failover-base"
 ADAPTER = "greet"
 MAX_TOKENS = 256  # long enough that the kill, sent once every stream has text, lands mid-stream
 STREAMS = 16  # greedy and seeded streams, besides the requests below
+CHOICE_REQUESTS = 4  # seeded, n = 3, streamed and not
 UNSEEDED = "unseeded-adapter"  # the one request of tenant-b: the victim's counts show it was hit
 
 
@@ -42,6 +44,9 @@ def requests(stop: str | None = None) -> dict[str, dict]:
         bodies[f"{'greedy' if i % 2 == 0 else 'seeded'}-{i}"] = {"prompt": f"Stream {i}:", "stream": True, **sampling}
     bodies["plain-greedy"] = {"prompt": "Plain", "stream": False, "temperature": 0}
     bodies["plain-seeded"] = {"prompt": "Plain seeded", "stream": False, "temperature": 1.0, "seed": 5}
+    for i in range(CHOICE_REQUESTS):
+        bodies[f"choices-{i}"] = {"prompt": f"Choices {i}:", "stream": i % 2 == 0, "n": 3, "temperature": 0.9,
+                                  "seed": 300 + i}  # fmt: skip
     bodies[UNSEEDED] = {"model": ADAPTER, "prompt": "Unseeded", "stream": True, "temperature": 1.0,
                         "max_tokens": 4 * MAX_TOKENS}  # fmt: skip
     if stop is not None:
@@ -68,14 +73,16 @@ def ready_replicas(server) -> dict[str, dict]:
 
 
 class Client(threading.Thread):
-    """One request in a thread: its text, finish reason, usage, seed header, and whether text had
-    arrived and whether it had ended (events, for the moment of the kill)."""
+    """One request in a thread: its text and finish reason per choice, usage, seed header, and
+    whether text had arrived and whether it had ended (events, for the moment of the kill)."""
 
     def __init__(self, server, name: str, body: dict) -> None:
         super().__init__(daemon=True)
         self.server, self.name, self.body = server, name, body
         self.had_text, self.done = threading.Event(), threading.Event()
-        self.text, self.finish_reason, self.usage, self.seed = "", None, None, None
+        n = body.get("n", 1)
+        self.texts, self.finish_reasons = [""] * n, [None] * n
+        self.usage, self.seed = None, None
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -103,13 +110,17 @@ class Client(threading.Thread):
     def _event(self, event: dict) -> None:
         assert "error" not in event, event
         for choice in event["choices"]:
-            self.text += choice["text"]
-            self.finish_reason = choice["finish_reason"] or self.finish_reason
+            i = choice["index"]
+            self.texts[i] += choice["text"]
+            self.finish_reasons[i] = choice["finish_reason"] or self.finish_reasons[i]
             self.had_text.set()
         self.usage = event.get("usage") or self.usage
 
     def result(self) -> tuple:
-        return self.text, self.finish_reason, self.usage
+        """(text, finish reason, usage), text and finish reason per choice when there are several."""
+        if len(self.texts) == 1:
+            return self.texts[0], self.finish_reasons[0], self.usage
+        return tuple(self.texts), tuple(self.finish_reasons), self.usage
 
 
 def run_all(server, bodies: dict[str, dict]) -> dict[str, Client]:

@@ -3,7 +3,7 @@ exactly what the original would have; an engine continuing a stream from any of 
 tokens sent so far, the seed, the detokenizer state) gives the uninterrupted run's tokens, text and
 usage; the ingress's bookkeeping and its failover loop (on a fake Serve handle) retry only replica
 and engine failures, a bounded number of times and within a deadline, avoiding the replicas that
-failed; the router never offers an avoided replica."""
+failed, an n-choice request going on choice by choice; the router never offers an avoided replica."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from tests.unit.test_detokenizer import random_chunks
 from workers.serving.async_engine import AsyncEngine, Resume, StreamEvent
 from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
-from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 
 pytestmark = pytest.mark.timeout(60)
 BOS = 256
@@ -290,7 +290,7 @@ def ingress(responses: list[FakeResponse], serving: set[str]):
 
     fake = SimpleNamespace(config=SimpleNamespace(swap_queue_timeout_s=1.0), llm=FakeHandle(responses),
                            readiness=SimpleNamespace(serving=serving_now))  # fmt: skip
-    for name in ("_resumable", "_first_item", "_fails_over"):
+    for name in ("_resumable", "_choices", "_first_item", "_fails_over"):
         setattr(fake, name, getattr(Ingress, name).__get__(fake))
     return fake
 
@@ -340,3 +340,89 @@ async def test_the_ingress_gives_up_after_the_bound_or_the_deadline(monkeypatch)
     fake = ingress([FakeResponse([text_chunk([1], "r1"), ENGINE_DEAD]), stuck], {"r1", "r2"})
     items = await asyncio.wait_for(drain(fake), 5)
     assert items[-1] == ENGINE_DEAD and stuck.cancelled
+
+
+class ByChoiceHandle(FakeHandle):
+    """The first call (all n choices) takes `first`; each one-choice continuation the response
+    scripted for the tokens it resumes from (by its seed when it resumes from none)."""
+
+    def __init__(self, first: FakeResponse, continuations: dict) -> None:
+        super().__init__([first])
+        self.continuations = continuations
+
+    def _remote(self, payload: dict) -> FakeResponse:
+        if payload["n"] > 1:
+            return super()._remote(payload)
+        self.payloads.append(payload)
+        resume = payload["resume"]
+        return self.continuations[tuple(resume["output_ids"]) if resume else payload["sampling"]["seed"]]
+
+
+def choice(index: int, ids: list[int], replica: str = "r1", finish: str | None = None, seed: int = 9) -> dict:
+    return {**chunk(ids, replica, seed), "text": "".join(map(str, ids)), "finish_reason": finish, "index": index}
+
+
+def choices_ingress(first: FakeResponse, continuations: dict, serving: set[str]):
+    fake = ingress([], serving)
+    fake.llm = ByChoiceHandle(first, continuations)
+    return fake
+
+
+N_CHOICES = {"prompt": "hi", "n": 3, "sampling": {"seed": 7}}
+
+
+async def test_an_n_choice_request_goes_on_choice_by_choice_after_its_engine_fails():
+    first = FakeResponse([choice(0, [1]), choice(1, [5], seed=71), choice(2, [9], finish="length"), choice(0, [2]),
+                          ENGINE_DEAD])  # fmt: skip
+    going_on = {(1, 2): FakeResponse([choice(0, [3], "r2", "length")]),
+                (5,): FakeResponse([choice(0, [6], "r2", "length", seed=71)])}  # fmt: skip
+    fake = choices_ingress(first, going_on, {"r1", "r2"})
+    items = [item async for item in fake._choices(N_CHOICES, None)]
+    texts = {i: "".join(item["text"] for item in items if item["index"] == i) for i in range(3)}
+    assert texts == {0: "123", 1: "56", 2: "9"}
+    assert sorted(item["index"] for item in items if item["finish_reason"]) == [0, 1, 2]
+    assert first.cancelled and all(r.cancelled for r in going_on.values())
+    sent = {tuple(p["resume"]["output_ids"]): p for p in fake.llm.payloads[1:]}
+    assert set(sent) == {(1, 2), (5,)}  # the finished choice 2 is not sent again
+    for ids, index in (((1, 2), 0), ((5,), 1)):
+        payload = sent[ids]
+        assert payload["n"] == 1 and payload["avoid"] == ["r1"]
+        assert payload["sampling"]["seed"] == choice_seed(7, index)
+    assert sent[(5,)]["resume"]["seed"] == 71  # the seed the replica gave choice 1 carries over
+
+
+async def test_choices_lost_before_any_item_go_on_one_after_another_each_with_its_seed():
+    """Each choice's continuation is sent once the one before has its first item (Serve's router
+    holds one waiting call per request), choice 0 first: the response's first item is choice 0's."""
+    log = []
+
+    class Logged(FakeResponse):
+        async def _items(self):
+            async for item in super()._items():
+                log.append(("item", item["seed"]))
+                yield item
+
+    seeds = [choice_seed(7, i) for i in range(3)]
+    going_on = {seed: Logged([choice(0, [i], "r2", "length", seed=seed)]) for i, seed in enumerate(seeds)}
+    fake = choices_ingress(FakeResponse([], then="raise"), going_on, {"r1", "r2"})
+    remote = fake.llm.generate.remote
+    fake.llm.generate.remote = lambda payload: log.append(("sent", payload["sampling"]["seed"])) or remote(payload)
+    items = await asyncio.wait_for(_drain_choices(fake), 5)
+    assert items[0]["index"] == 0 and items[0]["seed"] == 7  # the seed header is choice 0's
+    assert sorted((item["index"], item["text"]) for item in items) == [(0, "0"), (1, "1"), (2, "2")]
+    assert [p["resume"] for p in fake.llm.payloads[1:]] == [None] * 3
+    assert log == [("sent", 7)] + [(kind, seed) for seed in seeds for kind in ("sent", "item")]  # 7: all 3, lost
+
+
+async def _drain_choices(fake) -> list[dict]:
+    return [item async for item in fake._choices(N_CHOICES, None)]
+
+
+@pytest.mark.parametrize("serving", [{"r1"}, {"r1", "r2"}])
+async def test_an_n_choice_request_is_not_continued_after_a_client_error_or_without_another_replica(serving):
+    refused = {"error": "adapter 'x' cannot be served", "status": 400}
+    fake = choices_ingress(FakeResponse([choice(0, [1]), refused]), {}, serving)
+    assert (await _drain_choices(fake))[-1] == refused and len(fake.llm.payloads) == 1
+    if serving == {"r1"}:
+        fake = choices_ingress(FakeResponse([choice(0, [1]), ENGINE_DEAD]), {}, serving)
+        assert (await _drain_choices(fake))[-1] == ENGINE_DEAD and len(fake.llm.payloads) == 1
