@@ -24,6 +24,9 @@ APP = "child"
 RUNNING = 4  # max_num_seqs: the requests decoding when the engine is killed; the rest wait in its queue
 STREAMS = 5  # with the plain request: 4 decoding, 2 waiting (and a free slot for the recovery probe after)
 MAX_TOKENS = 3000  # seconds of the tiny model's steps: still running when the kill comes
+# The slot holders of the cancel test: ~10 s of steps (~9 ms a step of 4 rows on CPU), still decoding
+# long after the waiting client gives up (1 s), and each must then run to the end.
+BLOCKER_TOKENS = 1000
 RECOVERY_TARGET_S = 15.0
 
 
@@ -55,16 +58,16 @@ class Client(threading.Thread):
     """One request in a thread: a stream (its SSE payloads, and whether text had arrived) or a
     plain request (its status, headers and body)."""
 
-    def __init__(self, server, stream: bool) -> None:
+    def __init__(self, server, stream: bool, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
-        self.server, self.stream = server, stream
+        self.server, self.stream, self.max_tokens = server, stream, max_tokens
         self.had_text = threading.Event()
         self.payloads: list[str] = []
         self.response: httpx.Response | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": self.server.model, "prompt": "Hello", "max_tokens": MAX_TOKENS, "temperature": 0,
+        body = {"model": self.server.model, "prompt": "Hello", "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": self.stream}  # fmt: skip
         try:
             with httpx.Client(base_url=self.server.base_url, timeout=120) as http:
@@ -102,7 +105,7 @@ def test_request_cancelled_before_its_first_token_is_counted(server):
         return sum(c["count"] for c in counts if c["outcome"] == "cancelled")
 
     before = cancelled()
-    blockers = [Client(server, stream=True) for _ in range(RUNNING)]
+    blockers = [Client(server, stream=True, max_tokens=BLOCKER_TOKENS) for _ in range(RUNNING)]
     for client in blockers:
         client.start()
     wait_for(lambda: all(c.had_text.is_set() for c in blockers), 30, what="every slot decoding")
