@@ -16,7 +16,7 @@ from workers.modeling.lora import LoraLimits
 from workers.serving.engine import EngineConfig, LLMEngine
 
 pytestmark = pytest.mark.gpu
-BUCKETS = (1, 2, 4, 8)
+BUCKETS = (1, 2, 4, 8, 40)  # 40: at or above SLOT_GROUP_ROWS, the kernels' programs take a slot each
 OPTIONS = {
     "a": dict(r=4, lora_alpha=32, target_modules="all-linear"),
     "b": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], use_rslora=True),
@@ -35,8 +35,9 @@ def setup(tmp_path_factory):
 
 def engine_on(base, mode: str = "full") -> LLMEngine:
     policy = GraphPolicy(mode=mode, decode_batch_buckets=BUCKETS, compile=False)
-    config = EngineConfig(model=str(base), max_num_seqs=8, max_model_len=256, device="cuda", attention_backend="triton",
-                          graph_policy=policy, lora=LoraLimits(max_loras=3, max_lora_rank=8))  # fmt: skip
+    config = EngineConfig(model=str(base), max_num_seqs=max(BUCKETS), max_model_len=256, device="cuda",
+                          attention_backend="triton", graph_policy=policy,
+                          lora=LoraLimits(max_loras=3, max_lora_rank=8))  # fmt: skip
     return LLMEngine.from_config(config)[0]
 
 
@@ -53,14 +54,14 @@ def test_mixed_adapter_batches_replay_what_eager_decodes_at_odd_batch_sizes(setu
     assert graph.runners.lora.table.ready == set(BUCKETS) == graph.runner.table.ready
     assert not any(lin.a.any() or lin.b.any() for lin in graph.model.lora.linears.values())  # emptied after verify
     mix = [adapters["a"], None, adapters["b"], adapters["c"]]
-    for n in (3, 5, 7):
+    for n in (3, 5, 7, 35):
         reqs = requests(n, seed=50 + n, max_tokens=24)  # every other request sampled, with its own seed
         rows = [mix[i % len(mix)] for i in range(n)]
         got = outputs(graph, reqs, rows)
         assert got == outputs(eager, reqs, rows), n
         assert got != outputs(graph, reqs, [None] * n)  # the adapters matter
     parts = {(p["execution_mode"], p["bucket_id"]) for p in graph.stats.snapshot()["decode_step_parts"]}
-    assert {("cuda_graph", "lora_decode_bs_4"), ("cuda_graph", "lora_decode_bs_8")} <= parts
+    assert {("cuda_graph", f"lora_decode_bs_{b}") for b in (4, 8, 40)} <= parts
     assert ("cuda_graph", "decode_bs_8") in parts  # the plain graphs, for batches without adapters
 
 

@@ -1,6 +1,7 @@
 """The LoRA decode kernels (`lora_kernels.py`) against the same sum in fp32 torch, on fresh random
-slots: odd row counts, rows without an adapter, fused layers with an untargeted part, ranks that are
-not powers of two, input widths that split unevenly; and LinearLora's two forms agree."""
+slots: odd row counts on both sides of `SLOT_GROUP_ROWS` (programs per row, programs per slot), rows
+without an adapter, fused layers with an untargeted part, ranks that are not powers of two, input
+widths that split unevenly; and LinearLora's two forms agree."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def reference(y, x, a, b, row_part, adapters, parts, max_loras):
 @pytest.mark.parametrize(
     ("rows", "in_features", "part_sizes", "rank", "max_loras"),
     [(1, 4096, (48, 16, 16), 16, 8), (3, 200, (40, -24, 40), 12, 3), (7, 3000, (64, 64), 64, 2),
-     (32, 1536, (96,), 8, 4), (64, 128, (16, 16, 16), 4, 5)],
+     (32, 1536, (96,), 8, 4), (64, 128, (16, 16, 16), 4, 5), (15, 4096, (48, -16, 80), 16, 8),
+     (47, 14336, (200,), 16, 8), (33, 200, (40, -24, 40), 12, 3), (64, 3000, (64, 64), 64, 2)],
 )  # fmt: skip
 def test_kernels_equal_the_fp32_sum(rows, in_features, part_sizes, rank, max_loras):
     g = torch.Generator("cuda").manual_seed(rows * 1000 + rank)
@@ -62,20 +64,21 @@ def test_kernels_equal_the_fp32_sum(rows, in_features, part_sizes, rank, max_lor
     assert not torch.equal(got[~unadapted], y[~unadapted])
 
 
-def test_the_kernel_form_agrees_with_the_matmul_form_on_a_real_layer():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("rows", [5, 37])
+def test_the_kernel_form_agrees_with_the_matmul_form_on_a_real_layer(rows):
+    torch.manual_seed(rows)
     layer = ColumnParallelLinear(256, [(0, 128), (0, 32), (0, 32)], False, TPGroup(), torch.bfloat16, "cuda")
     lin = LinearLora(layer, [("q_proj", 0), ("v_proj", 2)], max_loras=4, max_rank=16)
     lin.a.normal_(std=256**-0.5)
     lin.b.normal_()
-    x = torch.randn(5, 256, dtype=torch.bfloat16, device="cuda")
-    adapters = torch.tensor([1, 0, 4, 2, 1], device="cuda")
+    x = torch.randn(rows, 256, dtype=torch.bfloat16, device="cuda")
+    adapters = torch.tensor([1, 0, 4, 2, 1] * (rows // 5) + [3] * (rows % 5), device="cuda")
     column_slot = torch.arange(1, 5, device="cuda").repeat_interleave(16)
     kernels = LoraBatch(adapters, column_slot, torch.bfloat16)
     matmul = LoraBatch(adapters, column_slot, torch.bfloat16)
     matmul.kernels = False
     assert kernels.kernels
-    y = layer.weight.new_zeros(5, 192)
+    y = layer.weight.new_zeros(rows, 192)
     got, want = lin.add(y.clone(), x, kernels), lin.add(y.clone(), x, matmul)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
     assert not got[:, 128:160].any()  # k: no adapter targets it
