@@ -16,15 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.experiments.lora_kernel_combos import LAYERS, RANK, L, graph_us
 from workers.modeling import lora_kernels as K
-
-LAYERS = {
-    "qkv": (4096, (4096, 1024, 1024)),
-    "o": (4096, (4096,)),
-    "gate_up": (4096, (14336, 14336)),
-    "down": (14336, (4096,)),
-}
-RANK, L, NUM_LAYERS, CALLS = 16, 8, 32, 20
 
 
 @triton.jit
@@ -198,24 +191,6 @@ def expand(kind, y, s, b, row_part, adapters):
         OUTER=kind == "slot_outer",
     )
     return out
-
-
-def graph_us(fn):
-    for _ in range(3):
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    ts = []
-    for _ in range(7):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / CALLS)
-    return sorted(ts)[3]
 
 
 def main():
