@@ -177,7 +177,7 @@ if triton is not None:
                     if tl.max(here.to(tl.int32), axis=0) > 0:
                         s = tl.sum(tl.load(partial + p * RANK, mask=used, other=0.0), axis=0)
                         b_part = tl.trans(tl.where(here[:, None], b.to(tl.float32), 0.0))
-                        result += tl.dot(s, b_part, input_precision=PRECISION)
+                        result += tl.dot(s, b_part, input_precision=PRECISION)  # tf32: exact for B, 10 bits of s
             tl.store(out_ptr + at, result.to(y.dtype), mask=mine[:, None] & in_row[None, :])
 
 
