@@ -1,7 +1,7 @@
 """What LoRA slots cost a decode step on the GPU, and how long loading an adapter takes.
 
-One model of real shape (random bf16 weights, max_model_len 8192, live contexts of 256), two
-engines over it: the base engine without LoRA, and a LoRA engine (max_loras 8, every linear layer).
+Two models of real shape (random bf16 weights, max_model_len 8192, live contexts of 256), each with
+its engine: the base engine without LoRA, and a LoRA engine (max_loras 8, every linear layer).
 At each batch size, turns of `--steps` decode steps taking turns between: the base engine; the LoRA
 engine with rows that name no adapter (its plain graphs); the same rows forced through its LoRA
 graphs (what a server without separate plain graphs would pay: the measurement behind keeping
@@ -98,8 +98,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     buckets = tuple(sorted(set(args.batch_sizes)))
-    model = random_model(args.config, MAX_MODEL_LEN, "cuda")
-    base = make_engine(model, buckets, None, args.compile)  # before the LoRA engine adds slots to the model
+    base = make_engine(random_model(args.config, MAX_MODEL_LEN, "cuda"), buckets, None, args.compile)
+    model = random_model(args.config, MAX_MODEL_LEN, "cuda")  # its own: slots of A go under its weights
     lora = make_engine(model, buckets, LoraLimits(MAX_LORAS, args.max_lora_rank), args.compile)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     adapters = [(f"a{i}", str(write_random_adapter(tmp / f"a{i}", model.cfg, RANK, seed=i, device="cuda")))

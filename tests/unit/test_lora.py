@@ -29,7 +29,15 @@ def delta(model, layer: int, target: str, x: torch.Tensor, adapters: torch.Tenso
     """What the model's slots add to one target's output (its slice of a fused layer) for inputs x."""
     owner, part = TARGETS[target]
     linear = model.layers[layer].get_submodule(owner)
-    added = linear.adapter.add(torch.zeros(x.shape[0], linear.weight.shape[0]), x, model.lora.batch(adapters))
+    params = [p for p in (linear.weight, linear.bias) if p is not None]
+    saved = [p.clone() for p in params]
+    for p in params:  # views of the rows above the slots: with them zero the GEMM gives A x alone
+        p.data.zero_()
+    try:
+        added = linear.adapter.forward(x, model.lora.batch(adapters), bias=True)
+    finally:
+        for p, kept in zip(params, saved, strict=True):
+            p.data.copy_(kept)
     if owner in ("attn.o", "mlp.down"):
         return added
     start, stop = linear.part_ranges[part]

@@ -10,11 +10,12 @@ Slots are allocated once per adapted linear layer, for the targets the server al
 (`lora.target_modules`): max_loras slots of max_rank, smaller ranks zero-padded, B with its scaling
 folded in. Slot 0 is the null adapter: no storage, a row naming it gets nothing added. Loading an
 adapter is a copy into a slot; the slots keep their addresses, so captured graphs read whatever a
-slot holds. A call's rows each name a slot; each adapted layer adds all rows' deltas in two
-kernels on the GPU, each row reading only its own slot (`lora_kernels.py`), or on the CPU and for
-long prefills with one matmul over every slot, a mask and an addmm per part (`LinearLora`). Either
-way a LoRA step costs more than a plain one, which is why batches without adapters run graphs
-captured without LoRA (`graph_runner.py`).
+slot holds. A layer's slots of A sit under its weight, so the layer's own GEMM computes every
+slot's A x; a call's rows each name a slot, and each adapted layer then adds all rows' B s in one
+kernel on the GPU, each row reading only its own slot of B (`lora_kernels.py`), or on the CPU and
+for long prefills with a mask and an addmm per part (`LinearLora`). Either way a LoRA step costs
+more than a plain one (A's rows in every GEMM, the expand launches), which is why batches without
+adapters run graphs captured without LoRA (`graph_runner.py`), whose GEMMs read the weight alone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
 
@@ -139,8 +141,11 @@ def targeted(config: AdapterConfig, num_layers: int) -> set[tuple[int, str]]:
     return {key for key, name in names.items() if any(name == w or name.endswith("." + w) for w in wanted)}
 
 
-def load_adapter(path: str | Path, name: str, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Read and check a PEFT adapter for a model of `cfg`; AdapterError names what is wrong."""
+def load_adapter(
+    path: str | Path, name: str, cfg: ModelConfig, max_rank: int, device: torch.device | str = "cpu"
+) -> LoraAdapter:
+    """Read and check a PEFT adapter for a model of `cfg`, its tensors onto `device` (so the copy
+    into a slot is one on the device); AdapterError names what is wrong."""
     path = Path(path)
     try:
         config = AdapterConfig.model_validate(json.loads((path / "adapter_config.json").read_text()))
@@ -169,20 +174,22 @@ def load_adapter(path: str | Path, name: str, cfg: ModelConfig, max_rank: int) -
             layer, target = int(m.group(1)), m.group(3)
             if (layer, target) not in wanted:
                 raise AdapterError(f"tensor {key}: its layer is not in target_modules")
-            found.setdefault((layer, target), {})[m.group(4)] = f.get_tensor(key)
+            found.setdefault((layer, target), {})[m.group(4)] = f.get_tensor(key).to(device)
     weights = {}
     for key in sorted(wanted):
         pair = found.get(key, {})
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"layer {key[0]} {key[1]}: lora_A and lora_B weights are both needed")
         a, b = pair["A"], pair["B"]
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"layer {key[0]} {key[1]}: lora_A or lora_B holds NaN or inf")
         in_size, out_size = sizes[key[1]]
         if tuple(a.shape) != (config.r, in_size) or tuple(b.shape) != (out_size, config.r):
             raise AdapterError(f"layer {key[0]} {key[1]}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
                                f"fit r={config.r} and the layer's {in_size} -> {out_size}")  # fmt: skip
         weights[key] = (a, b)
+    finite = [torch.isfinite(a).all() & torch.isfinite(b).all() for a, b in weights.values()]
+    for key, ok in zip(weights, torch.stack(finite).tolist() if finite else [], strict=True):  # one sync
+        if not ok:
+            raise AdapterError(f"layer {key[0]} {key[1]}: lora_A or lora_B holds NaN or inf")
     return LoraAdapter(name, config.r, config.scaling, weights)
 
 
@@ -216,22 +223,25 @@ class LoraBatch:
 class LinearLora:
     """The adapter slots of one linear layer, fused parts and tensor-parallel shard included.
 
-    A [parts * max_loras * max_rank, in] stacks every part's slots; B [out, max_loras, max_rank]
-    holds each output feature's slots, and a feature takes the delta of its own part (`row_part`).
-    Sharded as the layer is: a column-parallel layer keeps its rows of B (A whole), a row-parallel
-    layer its columns of A (B whole, its partial delta summed by the layer's own all-reduce).
-    A call of few rows on the GPU takes the two kernels of `lora_kernels.py`; otherwise (CPU, long
-    prefills) x @ A^T over every slot at once, masked to each row's slot, then one addmm per part."""
+    A [parts * max_loras * max_rank, in] stacks every part's slots, as extra rows under the layer's
+    weight (one tensor, the layer's weight and bias views of its first rows), so one GEMM gives the
+    layer's output and every slot's A x. B [out, max_loras, max_rank] holds each output feature's
+    slots, and a feature takes the delta of its own part (`row_part`). Sharded as the layer is: a
+    column-parallel layer keeps its rows of B (A whole), a row-parallel layer its columns of A (B
+    whole, its partial delta summed by the layer's own all-reduce). A call of few rows on the GPU
+    adds B s in one kernel (`lora_kernels.py`); otherwise (CPU, long prefills) s is masked to each
+    row's slot and added with one addmm per part."""
 
     def __init__(self, layer: ColumnParallelLinear | RowParallelLinear, parts: list[tuple[str, int]],
                  max_loras: int, max_rank: int) -> None:  # fmt: skip
         out_local, in_local = layer.weight.shape
         self.targets = [target for target, _ in parts]
-        self.max_loras, self.max_rank = max_loras, max_rank
-        weight = layer.weight
-        self.a = torch.zeros(len(parts) * max_loras * max_rank, in_local, dtype=weight.dtype, device=weight.device)
-        self.b = torch.zeros(out_local, max_loras, max_rank, dtype=weight.dtype, device=weight.device)
-        self.row_part = torch.full((out_local,), -1, dtype=torch.int32, device=weight.device)
+        self.max_loras, self.max_rank, self.out_features = max_loras, max_rank, out_local
+        self.weight = self._stacked(layer.weight, len(parts) * max_loras * max_rank)
+        self.bias = None if layer.bias is None else self._stacked(layer.bias, len(parts) * max_loras * max_rank)
+        self.a = self.weight[out_local:]
+        self.b = self.weight.new_zeros(out_local, max_loras, max_rank)
+        self.row_part = torch.full((out_local,), -1, dtype=torch.int32, device=self.weight.device)
         # per target: the adapter's input columns this shard reads, its output rows this shard
         # holds, and where those rows sit in the (fused) layer's local output
         self.shard: dict[str, tuple[slice, slice, int]] = {}
@@ -246,6 +256,15 @@ class LinearLora:
                 rows = slice(layer.part_offsets[part], layer.part_offsets[part] + stop - start)
             self.part_rows.append(rows)
             self.row_part[rows] = index
+
+    @staticmethod
+    def _stacked(param: torch.Tensor, extra_rows: int) -> torch.Tensor:
+        """`param` with `extra_rows` zero rows under it, in one new tensor; the parameter becomes a
+        view of its first rows, so loading weights (a copy into the parameter) still reaches it."""
+        stacked = param.new_zeros(param.shape[0] + extra_rows, *param.shape[1:])
+        stacked[: param.shape[0]].copy_(param)
+        param.data = stacked[: param.shape[0]]
+        return stacked
 
     def columns(self, index: int, slot: int, rank: int) -> slice:
         start = (index * self.max_loras + slot - 1) * self.max_rank
@@ -263,12 +282,14 @@ class LinearLora:
             self.a[self.columns(index, slot, adapter.rank)].copy_(a[:, in_cols])
             self.b[offset : offset + b.shape[0], slot - 1, : adapter.rank].copy_(b * adapter.scaling)
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-        """y + each row's adapter delta, for the layer's input x and output y (2-D: rows, features)."""
+    def forward(self, x: torch.Tensor, batch: LoraBatch, bias: bool) -> torch.Tensor:
+        """The layer's output for x (2-D: rows, features) plus each row's adapter delta; `bias`:
+        whether this shard adds the layer's bias."""
+        z = F.linear(x, self.weight, self.bias if bias else None)
+        y, s = z[:, : self.out_features], z[:, self.out_features :]
         if batch.kernels:
-            s = lora_kernels.lora_shrink(x, self.a, batch.adapters, len(self.targets), self.max_loras)
             return lora_kernels.lora_expand(y, s, self.b, self.row_part, batch.adapters)
-        s = (x @ self.a.t()) * batch.mask(len(self.targets))
+        y, s = y.contiguous(), s * batch.mask(len(self.targets))
         width = self.max_loras * self.max_rank
         for index, rows in enumerate(self.part_rows):
             b = self.b[rows].view(-1, width)

@@ -342,7 +342,7 @@ class LLMEngine:
         replay what eager computes. Nothing is captured again: the graphs read the slots."""
         name, path = key
         lora = self.model.lora
-        adapter = load_adapter(path, name, self.model.cfg, lora.max_rank)
+        adapter = load_adapter(path, name, self.model.cfg, lora.max_rank, self.device)
         lora.check(adapter)  # before the followers are told: they must not fail where rank 0 refuses
         others = sorted(s for s in self.adapter_slots.holder if s != slot)
         start = time.perf_counter()

@@ -95,9 +95,10 @@ class ColumnParallelLinear(nn.Module):
         self.adapter: LinearLora | None = None  # LoRA slots, when enabled and this layer is adapted
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.adapter is not None:
-            y = self.adapter.add(y, x, lora)
+            y = self.adapter.forward(x, lora, bias=True)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return self.tp.all_gather_last_dim(y) if self.gather_output else y
 
     def load(self, name: str, part: int, read: SliceReader) -> None:
@@ -131,10 +132,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """The adapters' partial delta joins this rank's partial output before the one all-reduce."""
-        bias = self.bias if self.tp.rank == 0 else None
-        y = F.linear(x, self.weight, bias)
         if lora is not None and self.adapter is not None:
-            y = self.adapter.add(y, x, lora)
+            y = self.adapter.forward(x, lora, bias=self.tp.rank == 0)
+        else:
+            y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)
 
     def load(self, name: str, part: int, read: SliceReader) -> None:

@@ -88,7 +88,7 @@ def load_adapter_shard(runners: StepRunners, slot: int, others: list[int], path:
     """A follower's part of rank 0's adapter load: its shard of the adapter into the same slot, then
     the same verification on the same probe (whose replays and all-reduce pair with rank 0's)."""
     model = runners.lora.model
-    model.lora.load(slot, load_adapter(path, path, model.cfg, model.lora.max_rank))
+    model.lora.load(slot, load_adapter(path, path, model.cfg, model.lora.max_rank, model.embed.weight.device))
     runners.lora.check_adapter(slot, others)
 
 
