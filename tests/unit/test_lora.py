@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.lora_adapters import make_adapter
 from tests.unit.conftest import make_hf_checkpoint
-from workers.modeling.checkpoint import load_model
+from workers.modeling.checkpoint import load_model, load_weights
 from workers.modeling.config import load_config
 from workers.modeling.lora import TARGETS, AdapterError, load_adapter
 
@@ -116,6 +116,23 @@ def test_loading_a_slot_again_replaces_the_adapter_in_place(base, tmp_path):
     x = torch.randn(2, cfg.intermediate_size)
     assert not delta(ours, 0, "down_proj", x, torch.tensor([1, 1])).any()  # "attn" does not target it
     assert delta(ours, 0, "q_proj", x[:, : cfg.hidden_size], torch.tensor([1, 1])).abs().max() > 0
+
+
+def test_weights_loaded_after_the_slots_reach_the_layers_gemm(base, tmp_path):
+    """Slots move each adapted weight into a taller tensor; a later load (an in-place model swap)
+    must still reach what both the plain and the LoRA forward multiply by."""
+    other = tmp_path / "other"
+    make_hf_checkpoint(other, json.loads((base / "config.json").read_text())["model_type"], seed=1)
+    ours, fresh = load_model(base, max_model_len=64), load_model(other, max_model_len=64)
+    ours.enable_lora(max_loras=2, max_rank=MAX_RANK)
+    load_weights(ours, other)
+    x = torch.randn(3, ours.cfg.hidden_size)
+    none = ours.lora.batch(torch.zeros(3, dtype=torch.long))
+    for mine, theirs in ((ours.layers[1].attn.qkv, fresh.layers[1].attn.qkv),
+                         (ours.layers[1].mlp.gate_up, fresh.layers[1].mlp.gate_up)):  # fmt: skip
+        want = theirs(x)
+        assert torch.allclose(mine(x), want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(mine(x, none), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("change", "field"), [

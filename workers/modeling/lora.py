@@ -237,8 +237,9 @@ class LinearLora:
         out_local, in_local = layer.weight.shape
         self.targets = [target for target, _ in parts]
         self.max_loras, self.max_rank, self.out_features = max_loras, max_rank, out_local
-        self.weight = self._stacked(layer.weight, len(parts) * max_loras * max_rank)
-        self.bias = None if layer.bias is None else self._stacked(layer.bias, len(parts) * max_loras * max_rank)
+        slot_rows = len(parts) * max_loras * max_rank
+        self.weight = self._stacked(layer.weight, slot_rows)
+        self.bias = None if layer.bias is None else self._stacked(layer.bias, slot_rows)
         self.a = self.weight[out_local:]
         self.b = self.weight.new_zeros(out_local, max_loras, max_rank)
         self.row_part = torch.full((out_local,), -1, dtype=torch.int32, device=self.weight.device)

@@ -143,7 +143,8 @@ class LlamaModel(nn.Module):
 
     def enable_lora(self, max_loras: int, max_rank: int, targets: tuple[str, ...] = tuple(TARGETS)) -> LoraSlots:
         """Allocate adapter slots once, on the layers `targets` name (they keep their addresses); a
-        call's rows then name a slot in its `adapters` argument (0: no adapter)."""
+        call's rows then name a slot in its `adapters` argument (0: no adapter). Before any graph is
+        captured on this model: the slots move each adapted weight into a new, taller tensor."""
         self.lora = LoraSlots(self, max_loras, max_rank, targets)
         return self.lora
 
