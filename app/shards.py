@@ -110,6 +110,17 @@ class LocalEngine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
 
+    async def gate(self) -> dict:
+        """Gate the model the child serves (a persisted swap target at start-up)."""
+        self.swapping = True
+        try:
+            return await self.runner.ask(GATE, None, self.start_timeout_s)
+        finally:
+            self.swapping = False
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.runner.shutdown)  # a child told to stop is not restarted
+
     @property
     def restarting(self) -> bool:
         return self._restarting is not None and not self._restarting.done()
@@ -209,33 +220,98 @@ def _free_port() -> int:
 
 
 class ShardGroup:
-    """tensor_parallel_size > 1: ShardWorker actors, rank 0 the engine."""
+    """tensor_parallel_size > 1: ShardWorker actors, rank 0 the engine. Shards are not restarted in
+    place: a dead rank fails the health check, and Serve replaces the whole replica."""
 
     def __init__(self, config: EngineConfig, world_size: int, num_gpus: float, num_cpus: float, timeout_s: float):
+        self.world_size = world_size
+        self.options = {"num_gpus": num_gpus, "num_cpus": num_cpus, "max_concurrency": 1000}
+        self.timeout_s = timeout_s
+        self.restarts = 0
+        self.failure: str | None = None
+        self.swapping = False
+        self._spawn(config)
+
+    def _spawn(self, config: EngineConfig) -> None:
+        """One actor per rank in the replica's placement group (bundle rank + 1), meeting at a new
+        rendezvous; they load and capture while `start` waits."""
+        self.config = config
         self.tokenizer = load_tokenizer(model_dir(config.model))
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         group = get_current_placement_group()
         actor = ray.remote(ShardWorker)
         self.shards = []
-        for rank in range(world_size):
-            strategy = (
-                PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank + 1)
-                if group is not None
-                else None
+        for rank in range(self.world_size):
+            options = dict(self.options)
+            if group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=rank + 1
+                )
+            self.shards.append(
+                actor.options(**options).remote(rank, self.world_size, init_method, config, self.timeout_s)
             )
-            options = {"num_gpus": num_gpus, "num_cpus": num_cpus, "max_concurrency": 1000}
-            if strategy is not None:
-                options["scheduling_strategy"] = strategy
-            self.shards.append(actor.options(**options).remote(rank, world_size, init_method, config, timeout_s))
         self.rank0 = self.shards[0]
 
     async def start(self) -> None:
         """Wait until every rank has loaded and captured (the replica is not READY before)."""
-        await asyncio.gather(*(s.alive.remote() for s in self.shards))
+        try:
+            await asyncio.gather(*(s.alive.remote() for s in self.shards))
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(f"a tensor-parallel rank did not start: {e}") from None
 
-    restarting = False  # shards are not restarted in place: Serve replaces the whole replica
-    restarts = 0
-    failure = None
+    async def close(self) -> None:
+        """Stop the step loop on rank 0 (which stops the followers), then end every rank's actor."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.rank0.shutdown.remote(), PING_TIMEOUT_S)
+        for shard in self.shards:
+            ray.kill(shard, no_restart=True)
+        with contextlib.suppress(Exception):  # until each actor's process is gone and its bundle free
+            await asyncio.wait_for(
+                asyncio.gather(*(s.alive.remote() for s in self.shards), return_exceptions=True), PING_TIMEOUT_S
+            )
+
+    async def swap(self, config: EngineConfig) -> dict:
+        """Serve `config` instead, gated on every rank (see LocalEngine.swap): a checkpoint of the
+        same shapes with nothing else changed is loaded in place by every rank, and all ranks vote
+        before it is kept; anything else ends every rank and starts them all on the new config (then
+        the old one again if the new one fails)."""
+        old, start = self.config, time.monotonic()
+        self.swapping = True
+        try:
+            if _in_place(old, config):
+                try:
+                    report = await self.rank0.swap_in_place.remote(config)
+                except ray.exceptions.RayTaskError as e:
+                    raise SwapFailed(f"{e.cause}") from None
+                self.config, self.tokenizer = config, load_tokenizer(model_dir(config.model))
+                return {**report, "path": "in_place", "total_s": time.monotonic() - start}
+            await self.close()
+            try:
+                self._spawn(config)
+                await self.start()
+                report = await self._gate()
+            except Exception as e:
+                log.error("the new model did not pass on the tensor-parallel ranks (%s); starting the old one", e)
+                await self.close()
+                self._spawn(old)
+                await self.start()
+                raise SwapFailed(f"{e}") from e
+            return {**report, "path": "rebuild", "total_s": time.monotonic() - start}
+        finally:
+            self.swapping = False
+
+    async def gate(self) -> dict:
+        self.swapping = True
+        try:
+            return await self._gate()
+        finally:
+            self.swapping = False
+
+    async def _gate(self) -> dict:
+        try:
+            return await self.rank0.gate.remote()
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
 
     async def wait_ready(self, timeout_s: float) -> bool:
         try:
@@ -263,6 +339,9 @@ class ShardGroup:
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.rank0.set_graph_denial.remote(request_id, reason)
 
+    def cancel(self, request_id: str) -> None:
+        self.rank0.cancel.remote(request_id)
+
     async def check_adapter(self, name: str, path: str) -> dict:
         try:
             return await self.rank0.check_adapter.remote(name, path)
@@ -281,6 +360,8 @@ class ShardGroup:
         return [rank for rank, ok in enumerate(alive) if not ok]
 
     async def check(self) -> None:
+        if self.swapping:
+            return
         dead = await self._dead_ranks()
         if dead:
             raise RuntimeError(f"tensor-parallel ranks {dead} stopped")

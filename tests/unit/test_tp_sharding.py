@@ -20,7 +20,7 @@ from workers.modeling.lora import load_adapter
 from workers.serving.engine import make_runners
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
 from workers.tensor_parallel.parallel import TPGroup
-from workers.tensor_parallel.tp import DECODE, PREFILL, STOP, StepChannel, follow, init_tp_group
+from workers.tensor_parallel.tp import DECODE, PREFILL, STOP, Follower, StepChannel, init_tp_group
 
 STEPS = 32
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 100, 50, 25, 12, 6, 3, 1, 0, 1, 2]]
@@ -83,7 +83,7 @@ def _serve_rank(rank: int, port: int, path: str, out, adapters: list[str]) -> No
         out.put(run_greedy(model, channel.send, rows).numpy())  # by value: this process may exit first
         return
     cache = model.make_kv_cache(len(PROMPTS))
-    follow(channel, make_runners(model, cache, GraphPolicy()))  # the engine's follower loop
+    Follower(channel, make_runners(model, cache, GraphPolicy())).follow()  # the engine's follower loop
 
 
 def load_adapters(model, adapters: list[str]) -> None:

@@ -28,7 +28,7 @@ from tests.unit.graph_faults import EagerGraphRunner, nan_at_argmax
 from workers.modeling.default_model import default_model_dir
 from workers.serving.engine import EngineConfig, LLMEngine, load_for_engine
 from workers.serving.sampling import SamplingParams
-from workers.tensor_parallel.tp import StepChannel, follow, init_tp_group
+from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
 pytestmark = pytest.mark.timeout(90)
 BUCKETS = (1, 2, 4, 8)
@@ -75,7 +75,7 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     channel = StepChannel(tp, cpu)
     if rank == 1:
         runners = workers.tensor_parallel.shard.prepare_follower(model, config)
-        follow(channel, runners)
+        Follower(channel, runners).follow()
         return {"report": runners.base.report(), "replayed": dict(runners.base.replayed)}
     engine = LLMEngine(model, config, eos, revision, channel=channel)
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)

@@ -460,11 +460,12 @@ class GraphRunner:
         return f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
 
     @torch.inference_mode()
-    def check_adapter(self, slot: int, others: list[int]) -> str | None:
+    def check_adapter(self, slot: int, others: list[int], problem: str | None = None) -> str | None:
         """Before an adapter just copied into `slot` serves: a probe batch whose rows take turns
         between it, no adapter and the other loaded ones must replay what eager computes, on the
         smallest captured bucket with room for that mix. Without graphs, the eager probe's logits
-        must be finite. With tensor parallelism every rank runs it and all fail it together."""
+        must be finite. With tensor parallelism every rank runs it and all fail it together, also
+        for a `problem` one rank had before (its shard could not be read)."""
         mix = [slot, 0, *others]
         ready = sorted(self.table.ready)
         bucket = next((b for b in ready if b >= len(mix)), ready[-1] if ready else None)
@@ -480,6 +481,7 @@ class GraphRunner:
                 reset()
                 finite = bool(torch.isfinite(self.eager(batch)).all())
             detail = None if finite else "non-finite logits in an eager probe step"
+        detail = problem or detail
         failed = torch.tensor([detail is not None], dtype=torch.int32, device=self.device)
         if self.model.tp.world_size > 1:
             torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.model.tp.group)

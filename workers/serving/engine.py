@@ -32,7 +32,7 @@ from workers.serving.scheduler import Scheduler, Sequence, new_sequence
 from workers.serving.stats import CallTimer, EngineStats
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
 from workers.tensor_parallel.parallel import TPGroup
-from workers.tensor_parallel.tp import DECODE, EAGER, LORA_LOAD, NOOP, PREFILL, STOP, StepChannel
+from workers.tensor_parallel.tp import AGREE, DECODE, EAGER, LORA_LOAD, NOOP, PREFILL, STOP, StepChannel, agree
 
 MB = 1 << 20
 
@@ -268,7 +268,20 @@ class LLMEngine:
     def _send(self, op: int, batch: DecodeInputs | PrefillInputs | None = None) -> None:
         """Hand a model call's inputs to the follower ranks (nothing to do without tensor parallelism)."""
         if self.channel is not None:
-            self.channel.send(op, batch.rows if batch else 0, batch.to_ints() if batch else None)
+            self.tell_followers(op, batch.rows if batch else 0, batch.to_ints() if batch else None)
+
+    def tell_followers(self, op: int, rows: int = 0, values: list[int] | None = None) -> None:
+        """Send the follower ranks one operation (`workers/tensor_parallel/tp.py`); none without TP."""
+        if self.channel is not None:
+            self.channel.send(op, rows, values)
+
+    def agree(self, problem: str | None, ends_swap: bool = False) -> list[int]:
+        """Every rank's vote on what it did since the last one (this rank's `problem`, if any): the
+        ranks that failed. `ends_swap`: the followers then keep their new weights or put the old back."""
+        if self.channel is None:
+            return [] if problem is None else [0]
+        self.tell_followers(AGREE, int(ends_swap))
+        return agree(self.channel.tp, self.device, problem)
 
     def heartbeat(self) -> None:
         """Tell follower ranks rank 0 is alive while there is nothing to do."""

@@ -10,6 +10,10 @@ gets wrong. The gate checks, on an engine with no live sequences:
    completion.
 It withdraws nothing, so a failed in-place swap can copy the old weights back (kept on the host)
 and serve on with the graphs it had. Counters restart after a gate: they are the new model's.
+
+With tensor parallelism rank 0 runs the gate and every step of it reaches the other ranks as usual;
+each rank checks its own buckets and loads its own shard, and all vote before the swap is kept: one
+rank's failure undoes it on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from workers.serving.engine import EngineConfig, LLMEngine, eos_ids
 from workers.serving.sampling import SamplingParams
 from workers.serving.stats import EngineStats
 from workers.serving.step_inputs import PrefillInputs
-from workers.tensor_parallel.tp import PREFILL
+from workers.tensor_parallel.tp import CHECK_BUCKETS, PREFILL, SWAP_LOAD, restore_weights
 
 GOLDEN_PROMPTS = 4  # rows of one decode batch: a captured bucket of the smallest ladders
 GOLDEN_PROMPT_LEN = 12
@@ -52,9 +56,14 @@ def run_gate(engine: LLMEngine, tokenizer, prompts_file: str | None) -> dict:
     start = time.perf_counter()
     prompts = golden_prompts(engine.model.cfg.vocab_size)
     _eager_probe(engine, prompts)
+    engine.tell_followers(CHECK_BUCKETS)
     failed = {r.bucket_id(b): d for r in engine.runners.all for b, d in r.check_buckets().items()}
     if failed:
+        engine.agree("buckets disagree")
         raise GateFailed("graphs disagree with eager: " + "; ".join(f"{b}: {d}" for b, d in failed.items()))
+    ranks = engine.agree(None)
+    if ranks:
+        raise GateFailed(f"graphs disagree with eager on tensor-parallel rank(s) {ranks} (their logs say which)")
     graphs = _greedy(engine, prompts, GOLDEN_TOKENS, None)
     eager = _greedy(engine, prompts, GOLDEN_TOKENS, FallbackReason.DISABLED)
     for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
@@ -118,18 +127,20 @@ def same_shapes(old_dir: Path, new_dir: Path) -> bool:
 
 def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
     """Load the weights of `config.model` (a checkpoint of the same shapes) into the engine's
-    parameters, so graphs keep their addresses, and gate them. On failure the old weights, kept on
-    the host, are copied back and GateFailed (or the load's error) is raised: the engine serves the
-    old model as before. Returns (tokenizer, gate report)."""
+    parameters, so graphs keep their addresses, and gate them, on every rank. On failure anywhere
+    the old weights, kept on the host, are copied back on every rank and GateFailed (or the load's
+    error) is raised: the engine serves the old model as before. Returns (tokenizer, gate report)."""
     if engine.has_work():
         raise GateFailed("the engine still has requests: a swap needs it drained")
     model_dir = resolve_model_dir(config.model)
-    params = [(name, p, p.data) for name, p in engine.model.named_parameters()]
-    backup = [data.to("cpu", copy=True) for _, _, data in params]
+    saved = [(p, p.data, p.data.to("cpu", copy=True)) for p in engine.model.parameters()]
+    names = [name for name, _ in engine.model.named_parameters()]
     old = engine.config, engine.revision, engine.eos_token_ids
+    engine.tell_followers(SWAP_LOAD, 0, list(str(model_dir).encode()))
+    failure: BaseException | None = None
     try:
         load_weights(engine.model, model_dir)
-        moved = [name for name, p, data in params if p.data.data_ptr() != data.data_ptr()]
+        moved = [name for name, (p, data, _) in zip(names, saved) if p.data.data_ptr() != data.data_ptr()]
         if moved:
             raise GateFailed(f"{len(moved)} parameter(s) moved to new storage while loading (e.g. {moved[0]}): "
                              "captured graphs would read the old weights")  # fmt: skip
@@ -137,13 +148,15 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
         engine.config, engine.revision = config, config.model_revision or model_revision(model_dir)
         engine.eos_token_ids = set(eos_ids(load_config(model_dir), tokenizer))
         report = run_gate(engine, tokenizer, config.gate_prompts_file)
+    except Exception as e:
+        failure = e
+    ranks = engine.agree(None if failure is None else str(failure), ends_swap=True)
+    if failure is None and not ranks:
         engine.forget_adapters()  # verified against the old weights: each loads and verifies again on use
-    except BaseException:
-        with torch.no_grad():
-            for (_, p, data), saved in zip(params, backup, strict=True):
-                p.data = data  # the storage the graphs read
-                data.copy_(saved)
-        engine.cache.clear()  # what the failed model wrote (NaN, maybe) must not reach a later attention
-        engine.config, engine.revision, engine.eos_token_ids = old
-        raise
-    return tokenizer, report
+        return tokenizer, report
+    restore_weights(saved)
+    engine.cache.clear()  # what the failed model wrote (NaN, maybe) must not reach a later attention
+    engine.config, engine.revision, engine.eos_token_ids = old
+    if failure is not None:
+        raise failure
+    raise GateFailed(f"the new weights failed on tensor-parallel rank(s) {ranks} (their logs say why)")

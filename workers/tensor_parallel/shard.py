@@ -27,8 +27,9 @@ from workers.serving.engine import (
     prepare_model,
     resolve_device,
 )  # fmt: skip
+from workers.serving.model_gate import run_gate, swap_weights_in_place
 from workers.serving.sampling import SamplingParams
-from workers.tensor_parallel.tp import StepChannel, follow, init_tp_group
+from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class ShardWorker:
             self.runners = engine.runners
         else:
             self.runners = prepare_follower(model, config)
+            self.follower = Follower(self.channel, self.runners)
             self._thread = threading.Thread(target=self._follow, daemon=True)
             self._thread.start()
         self.captured_at = time.time()
@@ -72,7 +74,7 @@ class ShardWorker:
 
     def _follow(self) -> None:
         try:
-            follow(self.channel, self.runners)
+            self.follower.follow()
         except BaseException as e:  # a timed-out or broken collective ends this rank
             log.exception("tensor-parallel rank %d stopped following rank 0", self.rank)
             self.error = e
@@ -100,6 +102,24 @@ class ShardWorker:
 
     async def check_adapter(self, name: str, path: str) -> dict:
         return await self.engine.call(lambda engine: engine.check_adapter(name, path))
+
+    async def swap_in_place(self, config: EngineConfig) -> dict:
+        """Every rank loads `config.model` (same shapes) in place and votes after the gate; the old
+        weights serve again on every rank when one fails (`swap_weights_in_place`)."""
+        tokenizer, report = await self.engine.call(lambda engine: swap_weights_in_place(engine, config))
+        self.tokenizer = self.engine.tokenizer = tokenizer
+        return report
+
+    async def gate(self) -> dict:
+        """The model gate on every rank (`run_gate`), between two steps."""
+        return await self.engine.call(lambda engine: run_gate(engine, self.tokenizer, engine.config.gate_prompts_file))
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the step loop; the follower ranks are told to stop with it."""
+        self.engine.shutdown()
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.engine.set_graph_denial(request_id, reason)

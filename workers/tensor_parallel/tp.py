@@ -5,10 +5,11 @@ Rank 0 runs the scheduler and sampling; before each model call it broadcasts one
 buffer holding a header (operation and sizes) and up to CAPACITY input ints. A collective costs
 about the same for 32 bytes as for 8 KB, so a decode step (3 ints per row) costs one broadcast,
 filled by one host-to-device copy; only a longer input (a large prefill) sends its remainder in a
-second broadcast. The other ranks loop in `follow`, making the same call on the same inputs, so
+second broadcast. The other ranks loop in `Follower.follow`, making the same call on the same inputs, so
 every rank replays the same bucket and meets the same all-reduces. No Ray call happens per step.
 Every wait is bounded by the process group's timeout, and an idle rank 0 sends heartbeats so a
-follower can tell "idle" from "dead".
+follower can tell "idle" from "dead". A model swap or gate runs on every rank the same way:
+rank 0 sends each step, and every rank votes (one all-reduce) before a swap is kept or undone.
 """
 
 from __future__ import annotations
@@ -20,16 +21,21 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from workers.modeling.lora import load_adapter
+from workers.modeling.checkpoint import load_weights
+from workers.modeling.lora import AdapterError, load_adapter
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
+from workers.tensor_parallel.parallel import TPGroup
 
 if TYPE_CHECKING:
     from workers.graphs.graph_runner import StepRunners
-from workers.tensor_parallel.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
-NOOP, PREFILL, DECODE, EAGER, STOP, LORA_LOAD = range(6)
+# SWAP_LOAD: load the checkpoint at the path (payload) in place, keeping the old weights aside;
+# CHECK_BUCKETS: check every captured bucket against eager (a model gate's step); AGREE: every
+# rank votes on what it did since the last vote (rows 1: the vote ends a swap, which each rank
+# then keeps or undoes alike).
+NOOP, PREFILL, DECODE, EAGER, STOP, LORA_LOAD, SWAP_LOAD, CHECK_BUCKETS, AGREE = range(9)
 HEADER = 4  # op, rows, payload length, spare
 CAPACITY = 1024  # payload ints sent with the header: a decode step of up to 341 rows fits
 
@@ -84,30 +90,102 @@ class StepChannel:
         return op, rows, values
 
 
+def agree(tp: TPGroup, device: torch.device, problem: str | None) -> list[int]:
+    """Every rank's vote in one all-reduce: the ranks that had a problem (none: all agree it went well)."""
+    failed = torch.zeros(tp.world_size, dtype=torch.int32, device=device)
+    failed[tp.rank] = problem is not None
+    if tp.world_size > 1:
+        dist.all_reduce(failed, group=tp.group)
+    return [rank for rank, bad in enumerate(failed.tolist()) if bad]
+
+
 def load_adapter_shard(runners: StepRunners, slot: int, others: list[int], path: str) -> None:
     """A follower's part of rank 0's adapter load: its shard of the adapter into the same slot, then
-    the same verification on the same probe (whose replays and all-reduce pair with rank 0's)."""
+    the same verification on the same probe (whose replays and all-reduce pair with rank 0's). A
+    shard this rank cannot read fails that verification on every rank; it does not end the rank."""
     model = runners.lora.model
-    model.lora.load(slot, load_adapter(path, path, model.cfg, model.lora.max_rank, model.embed.weight.device))
-    runners.lora.check_adapter(slot, others)
+    try:
+        model.lora.load(slot, load_adapter(path, path, model.cfg, model.lora.max_rank, model.embed.weight.device))
+        problem = None
+    except (AdapterError, OSError) as e:
+        log.error("tensor-parallel rank %d could not load adapter %s: %s", model.tp.rank, path, e)
+        problem = f"rank {model.tp.rank} could not load it: {e}"
+    runners.lora.check_adapter(slot, others, problem)
 
 
-def follow(channel: StepChannel, runners: StepRunners) -> None:
-    """A follower rank's loop: repeat rank 0's model calls until STOP (or a collective times out)."""
-    with torch.inference_mode():
-        while True:
-            op, rows, values = channel.recv()
-            if op == STOP:
-                return
-            if op == NOOP:
-                continue
-            if op == LORA_LOAD:  # rows: the slot; values: the other loaded slots' count, them, the path
-                others = values[1 : 1 + values[0]]
-                load_adapter_shard(runners, rows, others, bytes(values[1 + values[0] :]).decode())
-            elif op == PREFILL:
-                batch = PrefillInputs.from_ints(rows, values)
-                runners.of(batch).prefill(batch)
-            else:
-                batch = DecodeInputs.from_ints(rows, values)
-                runner = runners.of(batch)
-                (runner.decode if op == DECODE else runner.eager)(batch)
+class Follower:
+    """A rank > 0: repeats rank 0's model calls on its own shard, and takes its part in rank 0's
+    swaps and gates, voting at each AGREE on what went wrong here since the last one."""
+
+    def __init__(self, channel: StepChannel, runners: StepRunners) -> None:
+        self.channel = channel
+        self.runners = runners
+        self.model = runners.base.model
+        self.problem: str | None = None  # what went wrong here since the last vote
+        self.saved: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] | None = None  # a swap's old weights
+
+    def follow(self) -> None:
+        """Until STOP (or a collective times out)."""
+        with torch.inference_mode():
+            while True:
+                op, rows, values = self.channel.recv()
+                if op == STOP:
+                    return
+                if op != NOOP:
+                    self._apply(op, rows, values)
+
+    def _apply(self, op: int, rows: int, values: list[int]) -> None:
+        if op == LORA_LOAD:  # rows: the slot; values: the other loaded slots' count, them, the path
+            others = values[1 : 1 + values[0]]
+            load_adapter_shard(self.runners, rows, others, bytes(values[1 + values[0] :]).decode())
+        elif op == SWAP_LOAD:
+            self._load(bytes(values).decode())
+        elif op == CHECK_BUCKETS:
+            failed = {b: d for runner in self.runners.all for b, d in runner.check_buckets().items()}
+            if failed:
+                self.problem = self.problem or f"buckets {sorted(failed)} replay differently from eager"
+        elif op == AGREE:
+            self._vote(ends_swap=bool(rows))
+        elif op == PREFILL:
+            batch = PrefillInputs.from_ints(rows, values)
+            self.runners.of(batch).prefill(batch)
+        else:
+            batch = DecodeInputs.from_ints(rows, values)
+            runner = self.runners.of(batch)
+            (runner.decode if op == DECODE else runner.eager)(batch)
+
+    def _load(self, model_dir: str) -> None:
+        """This rank's shard of a checkpoint of the same shapes, into the parameters the graphs read;
+        the old weights stay on the host until the swap's last vote."""
+        self.saved = [(p, p.data, p.data.to("cpu", copy=True)) for p in self.model.parameters()]
+        try:
+            load_weights(self.model, model_dir)
+        except Exception as e:
+            self.problem = f"loading {model_dir}: {e}"
+        moved = [p for p, data, _ in self.saved if p.data.data_ptr() != data.data_ptr()]
+        if moved:
+            self.problem = self.problem or f"{len(moved)} parameter(s) moved to new storage while loading"
+        if self.problem:
+            log.error("tensor-parallel rank %d: %s", self.tp.rank, self.problem)
+
+    @property
+    def tp(self) -> TPGroup:
+        return self.channel.tp
+
+    def _vote(self, ends_swap: bool) -> None:
+        failed = agree(self.tp, self.channel.device, self.problem)
+        self.problem = None
+        if not ends_swap or self.saved is None:
+            return
+        if failed:
+            restore_weights(self.saved)
+            self.runners.base.cache.clear()
+        self.saved = None
+
+
+def restore_weights(saved: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]]) -> None:
+    """Copy weights kept aside back into the storage the graphs read."""
+    with torch.no_grad():
+        for p, data, old in saved:
+            p.data = data
+            data.copy_(old)
