@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from policies.graph_policy import GraphPolicy, load_policy
 from policies.lora_slots import LORA_TARGETS
+from workers.modeling.default_model import model_name
 
 
 class TenantConfig(BaseModel):
@@ -24,6 +25,8 @@ class TenantConfig(BaseModel):
 
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DEPLOYMENT_SCOPE = re.compile(r"[^A-Za-z0-9._-]")  # what may not stand in an actor or file name
+STATE_DIR = Path.home() / ".cache" / "graphserve" / "controller-state"
 
 
 class LoraConfig(BaseModel):
@@ -107,7 +110,8 @@ class AppConfig(BaseModel):
     engine_max_restarts: int = Field(3, ge=0)
     engine_restart_window_s: float = Field(600.0, gt=0)
     engine_start_timeout_s: float = Field(1800.0, gt=0)
-    controller_timeout_s: float = Field(5.0, gt=0)  # bound on each call to the controller actor
+    # Bound on each call to the controller actor; a starting replica waits 6x this for its swap state.
+    controller_timeout_s: float = Field(5.0, gt=0)
     cuda_graph_policy: GraphPolicy = GraphPolicy()
     # A YAML file with a `cuda_graph_policy:` section (on Kubernetes, a mounted ConfigMap); when set,
     # replicas read the policy from it when they start, in place of `cuda_graph_policy`.
@@ -123,9 +127,11 @@ class AppConfig(BaseModel):
     api_keys_env: str = "GRAPHSERVE_API_KEYS"
     admin_token_env: str = "GRAPHSERVE_ADMIN_TOKEN"  # one token, operator `admin`
     admin_tokens_env: str = "GRAPHSERVE_ADMIN_TOKENS"  # named tokens, `alice:token-1,bob:token-2`
-    controller_name: str = "graphserve-controller"
+    # The controller actor and its state file belong to one deployment: unset, both are named after
+    # the Serve application and the served model name (`for_app`), so no two deployments share them.
+    controller_name: str | None = None
     controller_namespace: str = "graphserve"
-    controller_state_path: str = str(Path.home() / ".cache" / "graphserve" / "controller-state.json")
+    controller_state_path: str | None = None
     toggle_poll_s: float = Field(0.5, gt=0)
     startup_delay_s: float = Field(0.0, ge=0)  # testing aid: a replica that takes this long to capture
 
@@ -148,6 +154,30 @@ class AppConfig(BaseModel):
         if self.max_num_seqs is None:
             update["max_num_seqs"] = 256 if gpu else 32
         return self.model_copy(update=update)
+
+    def served_name(self) -> str:
+        """The `model` clients ask for."""
+        return self.served_model_name or model_name(self.model)
+
+    def for_app(self, app_name: str) -> AppConfig:
+        """This config inside Serve application `app_name`: the controller's name and state file,
+        where unset, scoped to this deployment (application and served model name)."""
+        scope = DEPLOYMENT_SCOPE.sub("_", f"{app_name}.{self.served_name()}")
+        return self.model_copy(
+            update={
+                "controller_name": self.controller_name or f"graphserve-controller.{scope}",
+                "controller_state_path": self.controller_state_path or str(STATE_DIR / f"{scope}.json"),
+            }
+        )
+
+    def made_for(self) -> dict[str, Any]:
+        """What the controller's persisted swap target is valid for: the configured model, its
+        revision and graph policy. When the configuration changes, the configuration wins."""
+        return {
+            "model": self.model,
+            "revision": self.model_revision,
+            "graph_policy": self.graph_policy().model_dump(mode="json"),
+        }
 
     def graph_policy(self) -> GraphPolicy:
         return load_policy(self.cuda_graph_policy_file) if self.cuda_graph_policy_file else self.cuda_graph_policy

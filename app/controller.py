@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 AUDIT_KEEP = 1000
 DEFAULT_RECOMMENDED_BUCKETS = 8
 STALE_AFTER_S = 10.0
+GONE_AFTER_S = 30.0  # a replica waiting for its turn in a swap that has not reported this long is dropped
 
 
 class _AuditEntry(BaseModel):
@@ -70,9 +71,22 @@ class _State(BaseModel):
     swaps_started: StrictInt = Field(0, ge=0)
     serving_model: dict[str, Any] | None = None  # what a replica starting now loads: the last swap's target
     lora_adapters: dict[str, dict[str, Any]] = {}  # adapters registered through the admin API
+    made_for: dict[str, Any] | None = None  # the configuration (AppConfig.made_for) the swap state is valid for
+    archived: list[dict[str, Any]] = []  # swap state set aside when the configuration changed
 
 
-PERSISTED = ("toggles", "rollout", "rollouts_started", "swap", "swaps_started", "serving_model", "lora_adapters")
+PERSISTED = (
+    "toggles",
+    "rollout",
+    "rollouts_started",
+    "swap",
+    "swaps_started",
+    "serving_model",
+    "lora_adapters",
+    "made_for",
+    "archived",
+)
+ARCHIVE_KEEP = 20
 
 
 class StateWriteError(RuntimeError):
@@ -174,7 +188,9 @@ def _write_state(path: Path, state: dict[str, Any]) -> None:
 
 
 class GraphController:
-    def __init__(self, state_path: str, initial_toggles: dict[str, bool]) -> None:
+    def __init__(self, state_path: str, initial_toggles: dict[str, bool], made_for: dict | None = None) -> None:
+        """made_for: the configuration of the deployment that creates the actor (`AppConfig.made_for`);
+        swap state persisted for another one is archived (`adopt`)."""
         self.path = Path(state_path)
         self.toggles = dict(initial_toggles)
         self.audit: list[dict] = []
@@ -186,6 +202,8 @@ class GraphController:
         self.swaps_started = 0
         self.serving_model: dict | None = None
         self.lora_adapters: dict[str, dict] = {}  # registered through the admin API: name -> path, by, at
+        self.made_for: dict | None = None
+        self.archived: list[dict] = []
         self._loop: asyncio.Task | None = None
         state = _read_state(self.path)
         if state is not None:
@@ -198,6 +216,69 @@ class GraphController:
             self.swaps_started = state.get("swaps_started", 0)
             self.serving_model = state.get("serving_model")
             self.lora_adapters = state.get("lora_adapters", {})
+            self.made_for = state.get("made_for")
+            self.archived = state.get("archived", [])
+        if made_for is not None:
+            self.adopt(made_for, "controller")
+
+    # -- the configuration the swap state belongs to -----------------------------------------------
+
+    def adopt(self, made_for: dict, actor: str, replica_id: str | None = None) -> dict | None:
+        """Bind the persisted swap state to the configuration `made_for` and return what a replica
+        of it starting now loads (the last swap's target; None: the configured model). A starting
+        `replica_id` joins a running swap in the same call, before the swap can finish: it loads
+        the previous model and swaps in its turn, never left on it unnoticed. State made
+        for another configuration (another model, revision or graph policy, or a file that does not
+        say) is archived, not deleted, with an audit entry and a log line: the configuration wins.
+        Toggles and rollouts stay; adapters registered through the admin API are archived only when
+        the configured model is known to have changed (they were trained for the old one)."""
+        if made_for != self.made_for:
+            self._archive_for(made_for, actor)
+        if replica_id is not None:
+            self._join_swap(replica_id)
+        return self.serving_model
+
+    def _archive_for(self, made_for: dict, actor: str) -> None:
+        stale = {"serving_model": self.serving_model, "swap": self.current_swap()}
+        if self.made_for is not None and made_for.get("model") != self.made_for.get("model"):
+            stale["lora_adapters"] = self.lora_adapters
+        stale = {k: v for k, v in stale.items() if v}
+        changes: dict[str, Any] = {"made_for": made_for}
+        entries = []
+        if stale:
+            changed = sorted(k for k in made_for if (self.made_for or {}).get(k) != made_for[k])
+            reason = (
+                "the state file does not say which configuration it was made for"
+                if self.made_for is None
+                else f"the configuration's {', '.join(changed)} changed"
+            )
+            at = time.time()
+            record = {"at": at, "reason": reason, "made_for": self.made_for, **stale}
+            changes.update(
+                serving_model=None,
+                swap=None,
+                archived=[*self.archived, record][-ARCHIVE_KEEP:],
+                **({"lora_adapters": {}} if "lora_adapters" in stale else {}),
+            )
+            entries.append(
+                {
+                    "time": at,
+                    "actor": actor,
+                    "action": "archive_swap_state",
+                    "reason": reason,
+                    "archived": sorted(stale),
+                    "serving_model": self.serving_model,
+                    "swap_id": self.swap.id if self.swap else None,
+                }
+            )
+            log.warning(
+                "controller state %s: %s; archived %s (kept in the file's `archived`), serving the configured model %s",
+                self.path,
+                reason,
+                ", ".join(sorted(stale)),
+                made_for.get("model"),
+            )
+        self._commit_or_apply(entries, "the new configuration", **changes)
 
     def get_toggles(self, known_version: int = -1) -> tuple[int, dict[str, bool] | None]:
         """(version, toggles); toggles is None when the caller already has this version."""
@@ -289,7 +370,7 @@ class GraphController:
         """Persist the state with these changes (attributes named in PERSISTED) and one version
         more, then apply them; a failed write applies nothing and raises StateWriteError."""
         values = {name: changes.get(name, getattr(self, name)) for name in PERSISTED}
-        audit, version = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1
+        audit, version = [*self.audit, *entries][-AUDIT_KEEP:], self._next_version(entries, changes)
         dumped = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in values.items()}
         state = {"audit": audit, "version": version, **dumped}
         try:
@@ -302,6 +383,11 @@ class GraphController:
         for name, value in values.items():
             setattr(self, name, value)
 
+    def _next_version(self, entries: list[dict], changes: dict[str, Any]) -> int:
+        """The version replicas poll moves with every audited change; recording which configuration
+        the state belongs to alone changes nothing they read."""
+        return self.version + (1 if entries or set(changes) - {"made_for"} else 0)
+
     def _commit_or_apply(self, entries: list[dict], what: str, **changes: Any) -> None:
         """Commit a decision the controller made itself (a rollback, a swap's progress); when the
         state cannot be written it is applied in memory anyway, since it must not wait for a disk."""
@@ -309,7 +395,7 @@ class GraphController:
             self._commit(entries, **changes)
         except StateWriteError as e:
             log.error("%s; %s goes on in memory", e, what)
-            self.audit, self.version = [*self.audit, *entries][-AUDIT_KEEP:], self.version + 1
+            self.audit, self.version = [*self.audit, *entries][-AUDIT_KEEP:], self._next_version(entries, changes)
             for name, value in changes.items():
                 setattr(self, name, value)
 
@@ -391,14 +477,33 @@ class GraphController:
         if self.rollout is not None and not self.rollout.finished:
             return {"error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; finish or abort it first",
                     "status": 409}  # fmt: skip
-        ready = sorted(r for r, st in self.replica_statuses().items() if st.get("state") == "READY")
+        statuses = self.replica_statuses()
+        ready = sorted(r for r, st in statuses.items() if st.get("state") == "READY")
         if not ready:
             return {"error": "no replica is READY to swap", "status": 409}
+        # Replicas still starting loaded the previous model: they swap after the READY ones.
+        starting = sorted(r for r, st in statuses.items() if r not in ready and st.get("state") != "FAILED")
         swap_id = f"swap-{self.swaps_started + 1}"
-        swap = Swap.begin(swap_id, kind, request, target, {**previous, **(self.serving_model or {})}, ready, actor,
-                          time.time())  # fmt: skip
-        entry = {"time": swap.started_at, "actor": actor, "action": "swap", "swap_id": swap_id, "kind": kind,
-                 "phase": swap.phase.value, "target": target, "replicas": ready}  # fmt: skip
+        swap = Swap.begin(
+            swap_id,
+            kind,
+            request,
+            target,
+            {**previous, **(self.serving_model or {})},
+            ready + starting,
+            actor,
+            time.time(),
+        )
+        entry = {
+            "time": swap.started_at,
+            "actor": actor,
+            "action": "swap",
+            "swap_id": swap_id,
+            "kind": kind,
+            "phase": swap.phase.value,
+            "target": target,
+            "replicas": swap.order,
+        }
         try:
             self._commit([entry], swap=swap, swaps_started=self.swaps_started + 1)
         except StateWriteError as e:
@@ -442,9 +547,26 @@ class GraphController:
         """One look of the decision loop at a running swap: a replica that overran its time fails it."""
         if self.swap is None or self.swap.phase != SwapPhase.PROGRESSING:
             return
+        now = time.time() if now is None else now
         swap = self.swap.model_copy(deep=True)
-        reason = swap.check_timeouts(time.time() if now is None else now)
-        if reason is not None:
+        gone = [
+            r
+            for r in swap.order
+            if swap.replicas[r].step == "waiting"
+            and r in self.replicas
+            and now - self.replicas[r]["reported_at"] > GONE_AFTER_S
+        ]
+        reason = None
+        for replica_id in gone:  # Serve replaces a replica that died: its successor joins the swap instead
+            log.warning(
+                "swap %s: replica %s has not reported for %g s; dropped from the swap",
+                swap.id,
+                replica_id,
+                GONE_AFTER_S,
+            )
+            reason = swap.leave(replica_id, now) or reason
+        reason = swap.check_timeouts(now) or reason
+        if gone or reason is not None:
             self._swap_changed(swap, None, reason)
 
     # -- bucket recommendation -------------------------------------------------------------------
@@ -527,11 +649,43 @@ class GraphController:
     def report(self, replica_id: str, status: dict) -> None:
         """Keep a replica's status. One that brings a new shadow-verification mismatch is acted on at
         once, not at the next interval: a mismatch is critical, and its rollback should not wait."""
-        seen = _shadow_mismatches(self.replicas.get(replica_id, {}))
+        before = self.replicas.get(replica_id, {})
         self.replicas[replica_id] = {**status, "reported_at": time.time()}
-        if _shadow_mismatches(status) > seen:
+        if _shadow_mismatches(status) > _shadow_mismatches(before):
             self.evaluate_rollout()
+        if status.get("model_fallback") and not before.get("model_fallback"):
+            fallback = status["model_fallback"]
+            self._commit_or_apply(
+                [
+                    {
+                        "time": time.time(),
+                        "actor": "controller",
+                        "action": "model_fallback",
+                        "replica": replica_id,
+                        **fallback,
+                    }
+                ],
+                f"replica {replica_id}'s fallback",
+            )
         self._swap_reported(replica_id, status.get("swap"))
+
+    def _join_swap(self, replica_id: str) -> None:
+        """A replica starting while a swap runs (it loads the previous model) takes its turn after
+        the others."""
+        if self.swap is None or self.swap.phase != SwapPhase.PROGRESSING or replica_id in self.swap.replicas:
+            return
+        swap = self.swap.model_copy(deep=True)
+        swap.join(replica_id)
+        entry = {
+            "time": time.time(),
+            "actor": "controller",
+            "action": "swap",
+            "swap_id": swap.id,
+            "replica": replica_id,
+            "step": "joined",
+        }
+        log.warning("swap %s: replica %s started during the swap; it swaps in its turn", swap.id, replica_id)
+        self._commit_or_apply([entry], f"swap {swap.id}", swap=swap)
 
     def replica_statuses(self) -> dict[str, dict]:
         now = time.time()
@@ -552,17 +706,17 @@ class ControllerClient:
         self.handle = controller_handle(config)
         self._notify_failing = False
 
-    async def call(self, method: str, *args):
+    async def call(self, method: str, *args, timeout_s: float | None = None):
+        """The controller's answer within timeout_s (default: controller_timeout_s)."""
+        timeout_s = timeout_s or self.config.controller_timeout_s
         try:
             try:
-                return await asyncio.wait_for(self._call(method, *args), self.config.controller_timeout_s)
+                return await asyncio.wait_for(self._call(method, *args), timeout_s)
             except ray.exceptions.RayActorError:
                 self.handle = controller_handle(self.config)
-                return await asyncio.wait_for(self._call(method, *args), self.config.controller_timeout_s)
+                return await asyncio.wait_for(self._call(method, *args), timeout_s)
         except TimeoutError:
-            raise ControllerUnavailable(
-                f"the controller did not answer {method} within {self.config.controller_timeout_s:g} s"
-            ) from None
+            raise ControllerUnavailable(f"the controller did not answer {method} within {timeout_s:g} s") from None
 
     async def _call(self, method: str, *args):
         return await getattr(self.handle, method).remote(*args)
@@ -589,4 +743,4 @@ def controller_handle(config: AppConfig):
         max_task_retries=-1,
         num_cpus=0,
     )
-    return actor.remote(config.controller_state_path, config.initial_toggles())
+    return actor.remote(config.controller_state_path, config.initial_toggles(), config.made_for())

@@ -187,13 +187,13 @@ class AdapterBody(BaseModel):
 @serve.ingress(api)
 class Ingress:
     def __init__(self, llm, args: dict) -> None:
-        self.config = AppConfig.from_args(args)
+        self.config = AppConfig.from_args(args).for_app(serve.get_replica_context().app_name)
         self.replicas = llm  # unary calls (adapter checks)
         self.llm = llm.options(stream=True)
         self.keys = api_keys_from_env(self.config)
         self.admin_tokens = admin_tokens_from_env(self.config)
         self.controller = ControllerClient(self.config)
-        self.model_name = self.config.served_model_name or model_name(self.config.model)
+        self.model_name = self.config.served_name()
         self.tenants = (
             set(self.config.tenants) | set(self.keys.values()) | ({auth.OPEN_TENANT} if not self.keys else set())
         )
@@ -240,7 +240,8 @@ class Ingress:
         if not ready:
             return {}
         revisions = sorted({s.get("model_revision") for s in ready})
-        return {"root": ready[0].get("model") or model_name(None), "revision": revisions[0] if len(revisions) == 1 else
+        roots = sorted({s.get("model") or model_name(None) for s in ready})  # what each replica loaded
+        return {"root": roots[0] if len(roots) == 1 else roots, "revision": revisions[0] if len(revisions) == 1 else
                 revisions, "max_model_len": min(s.get("max_model_len", 0) for s in ready)}  # fmt: skip
 
     @api.post("/v1/completions", openapi_extra=_body(CompletionRequest))
@@ -554,12 +555,15 @@ class Ingress:
         denied = self._admin_denied(request)
         if denied:
             return denied
-        swap, statuses = await asyncio.gather(self.controller.call("current_swap"),
-                                              self.controller.call("replica_statuses"))  # fmt: skip
-        replicas = {rid: {"state": st.get("state"), "model_revision": st.get("model_revision"),
-                          "max_model_len": st.get("max_model_len"), "swap": st.get("swap")}
-                    for rid, st in statuses.items()}  # fmt: skip
-        return JSONResponse(finite({"served_model_name": self.model_name, "replicas": replicas, "swap": swap}))
+        swap, statuses = await asyncio.gather(
+            self.controller.call("current_swap"), self.controller.call("replica_statuses")
+        )
+        fields = ("state", "model", "model_revision", "model_fallback", "max_model_len", "swap")
+        replicas = {rid: {f: st.get(f) for f in fields} for rid, st in statuses.items()}
+        configured = {"model": self.config.model, "revision": self.config.model_revision}
+        return JSONResponse(
+            finite({"served_model_name": self.model_name, "configured": configured, "replicas": replicas, "swap": swap})
+        )
 
     @api.get("/admin/buckets/recommendation")
     async def bucket_recommendation(self, request: Request) -> Response:

@@ -33,13 +33,15 @@ from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.modeling.lora import LoraLimits
+from workers.protocol import Engine
 from workers.serving.async_engine import EngineDeadError, RequestFailed, Resume, StreamEvent
-from workers.serving.engine import EngineConfig
+from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 1.0
+START_CONTROLLER_WAITS = 6  # a starting replica waits this many controller_timeout_s for the swap state
 ROLLOUT_STATUS_EVERY_S = 0.2  # while a rollout splits traffic: a shadow mismatch reaches the controller soon
 COHORTS = {None: "graph", FallbackReason.ROLLOUT_HOLDBACK: "holdback"}  # tenant-disabled requests are in neither
 
@@ -100,10 +102,15 @@ def tokenize(tokenizer, request: dict) -> list[int]:
 
 class LLMReplica:
     async def __init__(self, args: dict) -> None:
-        self.config = AppConfig.from_args(args)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.config = AppConfig.from_args(args).for_app(context.app_name)
+        self.configured = self.config  # what the deployment was configured with, before any swap target
+        self.replica_id = context.replica_id.unique_id
         self.controller = ControllerClient(self.config)
         self.state = "STARTING"  # until the engine exists; then the engine's own state
+        self.engine: Engine | None = None
+        self.engine_status: EngineStatus | None = None
+        self.model_fallback: dict | None = None  # the persisted swap target it could not load, and why
         self.metrics = RequestMetrics()
         self.tenant_of: dict[str, str] = {}
         self.denial_of: dict[str, FallbackReason | None] = {}  # what each running request was last given
@@ -122,39 +129,83 @@ class LLMReplica:
             if self.config.lora
             else None
         )
-        self.controller.notify("report", self.replica_id, self.status())
+        self._background = [asyncio.create_task(self._report())]  # STARTING until the engine is READY
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
-        self.config = with_target(self.config, await self._serving_model())
-        self.engine = await asyncio.to_thread(make_engine, self.config)
-        await self.engine.start()
+        self.engine = await self._start_engine(await self._serving_model())
         self.tokenizer = self.engine.tokenizer
         self.engine_status = await self.engine.status()
         await self._sync_toggles_logged()
-        self._background = [asyncio.create_task(self._poll_toggles()), asyncio.create_task(self._report())]
+        self._background.append(asyncio.create_task(self._poll_toggles()))
         self.controller.notify("report", self.replica_id, self.status())
-        log.info("replica %s: %s", self.replica_id, self.engine_status.state)
+        log.info("replica %s: %s, serving %s", self.replica_id, self.engine_status.state, self.config.model)
 
     def status(self) -> dict:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
-        if hasattr(self, "engine_status"):
+        if self.engine_status is not None:
             status.update(self.engine_status.as_dict(), engine_restarts=self.engine.restarts)
         if self.draining:
             status["state"] = EngineState.REBUILDING.value
         status["swap"] = self.swap_progress
-        status["model"] = self.config.model
+        status["model"] = self.config.model  # what this replica loaded: the configured model or a swap's target
+        status["model_fallback"] = self.model_fallback
         return status
 
     async def _serving_model(self) -> dict | None:
         """The model (or graph policy) the last swap put in force, which a replica starting now loads;
-        None when no swap succeeded or the controller does not answer (then: the config's)."""
+        None when no swap succeeded for this configuration (then: the configured model). Asking
+        joins a swap under way (`GraphController.adopt`). A start waits for the controller (a new
+        actor takes seconds to start); one that still does not answer loads the configured model
+        and says so in `model_fallback`."""
         try:
-            _, permissions = await self.controller.call("get_permissions", -1)
+            return await self.controller.call(
+                "adopt",
+                self.configured.made_for(),
+                f"replica {self.replica_id}",
+                self.replica_id,
+                timeout_s=START_CONTROLLER_WAITS * self.config.controller_timeout_s,
+            )
         except Exception as e:
-            log.warning("replica %s: controller unreachable at start (%r); loading the configured model",
-                        self.replica_id, e)  # fmt: skip
+            log.warning(
+                "replica %s: controller unreachable at start (%r); loading the configured model", self.replica_id, e
+            )
+            self.model_fallback = {
+                "target": None,
+                "reason": f"the controller did not answer at start ({e}): "
+                "a persisted swap target, if any, was not read",
+            }
             return None
-        return permissions["serving_model"] if permissions else None
+
+    async def _start_engine(self, target: dict | None) -> Engine:
+        """The engine on a persisted swap target, behind the model gate; when the target cannot be
+        loaded (missing, unreadable, failing the gate) the configured model instead, with the reason
+        in `model_fallback` (status, /admin/model, the audit log) and the log."""
+        if target:
+            config = with_target(self.config, target)
+            try:
+                engine = await asyncio.to_thread(make_engine, config)
+                try:
+                    await engine.start()
+                    await engine.gate()
+                except BaseException:
+                    await engine.close()
+                    raise
+                self.config = config
+                return engine
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+                log.error(
+                    "replica %s: the persisted swap target %s could not be served (%s); serving the configured "
+                    "model %s instead",
+                    self.replica_id,
+                    target,
+                    reason,
+                    self.config.model,
+                )
+                self.model_fallback = {"target": target, "reason": reason}
+        engine = await asyncio.to_thread(make_engine, self.config)
+        await engine.start()
+        return engine
 
     async def _sync_toggles(self) -> None:
         """Toggles and the rollout's cohort rule; running requests whose permission changed get it
@@ -197,7 +248,7 @@ class LLMReplica:
         """The engine's status; while it restarts in place the replica reads STARTING, once it is
         down for good FAILED (a change of state is logged with its cause). Not while it swaps: the
         child is busy loading and answers afterwards."""
-        if getattr(self.engine, "swapping", False):
+        if self.engine is None or self.engine.swapping:
             return
         try:
             self.engine_status = await self.engine.status()
@@ -228,10 +279,6 @@ class LLMReplica:
         """This replica's turn in a rolling swap: drain, swap the engine (gated), report each step."""
         swap_id = order["id"]
         self._set_swap_step(swap_id, "draining")
-        if not hasattr(self.engine, "swap"):
-            self._set_swap_step(swap_id, "reverted", "swapping a tensor-parallel replica in place is not supported; "
-                                "redeploy it with the new model")  # fmt: skip
-            return
         self.draining = True
         try:
             await self._drain(order["drain_timeout_s"])
@@ -243,7 +290,7 @@ class LLMReplica:
                 log.error("replica %s: swap %s failed, the previous model serves: %s", self.replica_id, swap_id, e)
                 step, detail, path = "reverted", str(e), None
             else:
-                self.config = target
+                self.config, self.model_fallback = target, None
                 step, path = "serving", report.pop("path")
                 detail = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
                 log.info("replica %s: swap %s done (%s): %s", self.replica_id, swap_id, path, detail)
@@ -517,7 +564,7 @@ def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_mod
     return requested
 
 
-def make_engine(config: AppConfig) -> LocalEngine | ShardGroup:
+def make_engine(config: AppConfig) -> Engine:
     """In-process for tensor_parallel_size 1; otherwise one shard actor per GPU."""
     if config.tensor_parallel_size == 1:
         budget = RestartBudget(config.engine_max_restarts, config.engine_restart_window_s)

@@ -1,7 +1,8 @@
 """A rolling swap of the model (or of the graph policy) across replicas, one stage machine in the
 controller: which replicas swap now, what each reported, when the swap has succeeded or failed.
 
-Replicas swap `max_unavailable` at a time, in the order they were READY when the swap started.
+Replicas swap `max_unavailable` at a time, in the order they were READY when the swap started;
+one that starts during the swap joins the end of the order, one that is gone before its turn leaves it.
 Each reports its step (waiting, draining, loading, serving, reverted; loading covers load, capture
 and the gate). A replica that reverts (its gate failed) fails the swap: no other replica starts,
 the ones already swapped keep the new model, the rest keep the old one. A replica that does not
@@ -70,6 +71,12 @@ class Swap(BaseModel):
         return cls(id=swap_id, kind=kind, target=target, previous=previous, actor=actor, started_at=now,
                    order=list(replicas), replicas={r: ReplicaProgress() for r in replicas}, **settings)  # fmt: skip
 
+    def join(self, replica_id: str) -> None:
+        """A replica that came up during the swap, still on the previous model: last in the order."""
+        if self.phase == SwapPhase.PROGRESSING and replica_id not in self.replicas:
+            self.order.append(replica_id)
+            self.replicas[replica_id] = ReplicaProgress()
+
     def now_swapping(self) -> list[str]:
         """The replicas told to swap now: the first max_unavailable not yet done, while progressing."""
         if self.phase != SwapPhase.PROGRESSING:
@@ -89,7 +96,19 @@ class Swap(BaseModel):
             progress.finished_at = at
         if step == "reverted":
             return self._finish(SwapPhase.FAILED, at, f"replica {replica_id} reverted to the previous model: {detail}")
-        if all(p.step == "serving" for p in self.replicas.values()):
+        return self._succeed_if_done(at)
+
+    def leave(self, replica_id: str, at: float) -> str | None:
+        """A replica gone before its turn (dead, replaced): the swap goes on without it."""
+        progress = self.replicas.get(replica_id)
+        if self.phase != SwapPhase.PROGRESSING or progress is None or progress.step in DONE:
+            return None
+        self.order.remove(replica_id)
+        del self.replicas[replica_id]
+        return self._succeed_if_done(at)
+
+    def _succeed_if_done(self, at: float) -> str | None:
+        if self.replicas and all(p.step == "serving" for p in self.replicas.values()):
             return self._finish(SwapPhase.SUCCEEDED, at, f"{len(self.replicas)} replica(s) serving the new model")
         return None
 

@@ -18,7 +18,7 @@ RAY_GROUP_ID = 100  # the `users` group of Ray's images, which their `ray` user 
 
 
 def state_path(docs: list[dict]) -> PurePosixPath:
-    return PurePosixPath(AppConfig.from_args(m.app_args(docs)).controller_state_path)
+    return PurePosixPath(AppConfig.from_args(m.app_args(docs)).for_app("graphserve").controller_state_path)
 
 
 @pytest.mark.parametrize("target", m.TARGETS)
