@@ -52,6 +52,7 @@ def deployment(args: dict) -> Application:
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        autoscaling_config=config.ingress_autoscaling.model_dump(),
         max_ongoing_requests=4 * (config.max_num_seqs + config.max_waiting),
     )
     return ingress.bind(replica.bind(args), args)

@@ -120,10 +120,18 @@ class AppConfig(BaseModel):
     lora: LoraConfig | None = None  # LoRA adapter slots; absent: LoRA off, and no cost
     lora_modules: dict[str, str] = {}  # adapters served from the start: {name: PEFT adapter directory}
     autoscaling: AutoscalingConfig = AutoscalingConfig()
+    # The ingress (HTTP, validation, SSE): Serve adds replicas under load, so no one interpreter
+    # caps what the LLM replicas stream.
+    ingress_autoscaling: AutoscalingConfig = AutoscalingConfig(
+        min_replicas=1, max_replicas=4, target_ongoing_requests=128
+    )
     accelerator: Literal["auto", "gpu", "cpu"] = "auto"  # auto: gpu when the Ray cluster has GPUs
     replica_num_cpus: float = Field(1.0, gt=0)
     ingress_num_cpus: float = Field(0.5, gt=0)
     stream_interval_ms: float = Field(20.0, ge=0)  # coalesce a stream's tokens into items this far apart
+    # ... and further apart under load: all of a replica's streams together send at most this many
+    # items per second (each item costs the replica and the ingress the same, whatever it carries).
+    stream_items_per_s: float = Field(2000.0, gt=0)
     api_keys_env: str = "GRAPHSERVE_API_KEYS"
     admin_token_env: str = "GRAPHSERVE_ADMIN_TOKEN"  # one token, operator `admin`
     admin_tokens_env: str = "GRAPHSERVE_ADMIN_TOKENS"  # named tokens, `alice:token-1,bob:token-2`

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from workers.serving.async_engine import Resume
+from workers.protocol import Resume
 from workers.serving.detokenizer import DetokState
 from workers.serving.sampling import InvalidRequest, choice_seed
 

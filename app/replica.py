@@ -33,8 +33,8 @@ from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.modeling.lora import LoraLimits
-from workers.protocol import Engine
-from workers.serving.async_engine import EngineDeadError, RequestFailed, Resume, StreamEvent
+from workers.protocol import Coalescing, Engine, Resume, StreamEvent
+from workers.serving.async_engine import EngineDeadError, RequestFailed
 from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull
@@ -465,11 +465,11 @@ class LLMReplica:
     ) -> tuple[StreamEvent, AsyncIterator[StreamEvent]]:
         """Submit and wait for the first event. An engine that dies before it costs the request
         nothing: it waits for the engine's restart in place and is submitted again."""
-        interval_s = self.config.stream_interval_ms / 1e3
+        coalescing = Coalescing(self.config.stream_interval_ms / 1e3, self.config.stream_items_per_s)
         for _ in range(self.config.engine_max_restarts + 1):
             try:
                 denial = self.denial_of[request_id] = self._denial(tenant, request_id)
-                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, interval_s, adapter, resume))
+                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, coalescing, adapter, resume))
                 return await anext(stream), stream
             except EngineDeadError as e:
                 log.warning("replica %s: request %s waits for the engine (%s)", self.replica_id, request_id, e)

@@ -25,7 +25,8 @@ from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import model_dir
-from workers.serving.async_engine import EngineDeadError, Resume, StreamEvent
+from workers.protocol import Coalescing, Resume, StreamEvent
+from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.engine_process import CHECK_ADAPTER, GATE, SWAP_IN_PLACE, EngineProcess
 from workers.serving.model_gate import same_shapes
@@ -126,9 +127,16 @@ class LocalEngine:
         return self._restarting is not None and not self._restarting.done()
 
     def submit(
-        self, prompt_ids, params, request_id, graph_denial, interval_s, adapter=None, resume: Resume | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        graph_denial: FallbackReason | None,
+        coalescing: Coalescing,
+        adapter: tuple[str, str] | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        return self.runner.submit(prompt_ids, params, request_id, graph_denial, interval_s, adapter, resume)
+        return self.runner.submit(prompt_ids, params, request_id, graph_denial, coalescing, adapter, resume)
 
     async def check_adapter(self, name: str, path: str) -> dict:
         """Load and verify an adapter in the engine (InvalidRequest says why it cannot serve)."""
@@ -320,10 +328,17 @@ class ShardGroup:
             return False
 
     async def submit(
-        self, prompt_ids, params: SamplingParams, request_id, graph_denial, interval_s, adapter=None, resume=None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        graph_denial: FallbackReason | None,
+        coalescing: Coalescing,
+        adapter: tuple[str, str] | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[StreamEvent]:
         refs = self.rank0.generate.options(num_returns="streaming").remote(
-            prompt_ids, params, request_id, graph_denial, interval_s, adapter, resume
+            prompt_ids, params, request_id, graph_denial, coalescing, adapter, resume
         )
         try:
             async for ref in refs:

@@ -2,18 +2,62 @@
 
 A replica talks to one `Engine`: a child process for tensor_parallel_size 1 (`LocalEngine`), or
 one Ray actor per rank (`ShardGroup`). Both implement this protocol whole, so the replica never
-asks which kind it holds.
+asks which kind it holds. A request's events come back as `StreamEvent`s, coalesced by the rule of
+its `Coalescing`; a stream another engine started goes on from a `Resume`.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from policies.dispatch import FallbackReason
-from workers.serving.async_engine import Resume, StreamEvent
+from workers.serving.detokenizer import DetokState
 from workers.serving.engine import EngineConfig, EngineStatus
-from workers.serving.sampling import SamplingParams
+from workers.serving.sampling import SamplingParams, TokenLogprob
+
+
+@dataclass
+class StreamEvent:
+    """What a consumer sees: the new token ids and text of one read, and the counts so far (and
+    the new tokens' logprobs, for a request that asked for them)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    seed: int | None = None  # the seed its tokens are drawn with (drawn here when the request had none)
+    detok: DetokState | None = None  # the detokenizer's state after this event's tokens
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A stream continued from another engine: the tokens its client got there (all of them, in
+    order) and that engine's detokenizer state after them. Its seed is in its SamplingParams."""
+
+    output_ids: list[int]
+    detok: DetokState
+
+
+@dataclass(frozen=True)
+class Coalescing:
+    """How often a stream is read: at most every interval_s, and with items_per_s, no more often
+    than keeps all open streams together within that many items per second. Every item costs the
+    replica and the ingress the same whatever it carries, so under load items carry more tokens
+    instead of growing in number. The first and the last item go at once."""
+
+    interval_s: float = 0.0
+    items_per_s: float | None = None
+
+    def wait_s(self, open_streams: int) -> float:
+        """The pause after an item, with this many streams open."""
+        if self.items_per_s is None:
+            return self.interval_s
+        return max(self.interval_s, open_streams / self.items_per_s)
 
 
 class Engine(Protocol):
@@ -34,11 +78,11 @@ class Engine(Protocol):
         params: SamplingParams,
         request_id: str,
         graph_denial: FallbackReason | None,
-        interval_s: float,
+        coalescing: Coalescing,
         adapter: tuple[str, str] | None = None,
         resume: Resume | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        """The request's events, coalesced at most every interval_s."""
+        """The request's events, read as `coalescing` says."""
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         """A running request's graph permission, from its next step on."""

@@ -10,6 +10,7 @@ import pytest
 from policies.graph_policy import GraphPolicy
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import default_model_dir
+from workers.protocol import Coalescing
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.engine_process import EngineProcess
 from workers.serving.sampling import SamplingParams
@@ -32,7 +33,7 @@ def test_engine_process_replays_graphs_and_matches_eager(tmp_path, monkeypatch):
 
             async def one(prompt, p):
                 out = []
-                async for event in engine.submit(prompt, p, interval_s=0.005):
+                async for event in engine.submit(prompt, p, coalescing=Coalescing(0.005)):
                     out += event.token_ids
                 return out
 

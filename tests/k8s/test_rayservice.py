@@ -11,6 +11,8 @@ import jsonschema
 import pytest
 import yaml
 
+from app.config import AppConfig
+
 from . import manifests as m
 
 MAX_RAYSERVICE_NAME = 47  # KubeRay: MaxRayClusterNameLength (53) - 6
@@ -147,10 +149,12 @@ def replica_shape(args: dict) -> tuple[float, int]:
     return cpus, (tp if args["accelerator"] == "gpu" else 0)
 
 
-def placed(pods: int, pod_cpus: float, pod_gpus: int, replicas: int, replica: tuple[float, int], ingress: float):
-    """First-fit: do `replicas` replicas and one ingress fit on `pods` worker Pods?"""
+def placed(
+    pods: int, pod_cpus: float, pod_gpus: int, replicas: int, replica: tuple[float, int], ingress: float, ingresses: int
+):
+    """First-fit: do `replicas` replicas and `ingresses` ingress replicas fit on `pods` worker Pods?"""
     free = [[pod_cpus, pod_gpus] for _ in range(pods)]
-    for cpus, gpus in [replica] * replicas + [(ingress, 0)]:
+    for cpus, gpus in [replica] * replicas + [(ingress, 0)] * ingresses:
         pod = next((f for f in free if f[0] >= cpus and f[1] >= gpus), None)
         if pod is None:
             return False
@@ -161,19 +165,24 @@ def placed(pods: int, pod_cpus: float, pod_gpus: int, replicas: int, replica: tu
 
 def test_autoscaling_and_capacity(docs):
     """The worker group at maxReplicas Pods holds Serve's autoscaling.max_replicas LLM replicas (each
-    with its tensor_parallel_size GPUs on one Pod) plus the ingress; at minReplicas, min_replicas."""
+    with its tensor_parallel_size GPUs on one Pod) plus ingress_autoscaling.max_replicas ingress
+    replicas; at minReplicas, the minimum of each."""
     cluster, args = m.cluster(docs), m.app_args(docs)
     assert cluster["enableInTreeAutoscaling"] is True
     (group,) = m.workers(docs)
     limits = m.ray_container(group)["resources"]["limits"]
     pod_cpus, pod_gpus = m.quantity(limits["cpu"]), int(m.quantity(limits.get("nvidia.com/gpu", 0)))
     replica, ingress = replica_shape(args), args.get("ingress_num_cpus", 0.5)
-    auto = args["autoscaling"]
-    for pods, replicas in ((group["maxReplicas"], auto["max_replicas"]), (group["minReplicas"], auto["min_replicas"])):
-        assert placed(pods, pod_cpus, pod_gpus, replicas, replica, ingress), (
+    auto, ingress_auto = args["autoscaling"], AppConfig.from_args(args).ingress_autoscaling
+    levels = [
+        (group["maxReplicas"], auto["max_replicas"], ingress_auto.max_replicas),
+        (group["minReplicas"], auto["min_replicas"], ingress_auto.min_replicas),
+    ]
+    for pods, replicas, ingresses in levels:
+        assert placed(pods, pod_cpus, pod_gpus, replicas, replica, ingress, ingresses), (
             f"{pods} worker Pods of {pod_cpus} CPUs / {pod_gpus} GPUs cannot hold {replicas} replicas of "
             f"{replica[0]} CPUs / {replica[1]} GPUs (tensor_parallel_size {args.get('tensor_parallel_size', 1)}) "
-            f"plus the ingress"
+            f"plus {ingresses} ingress replicas"
         )
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from app.replica import _merged, choice_sampling, fit_choices, logprob_items
 from tests.unit.engine_fixtures import Tiny, load_tiny
-from workers.serving.async_engine import StreamEvent
+from workers.protocol import StreamEvent
 from workers.serving.sampling import InvalidRequest, TokenLogprob, choice_seed
 
 KV = {"pages": 64, "page_size": 16}  # 1024 tokens

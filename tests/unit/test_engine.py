@@ -16,6 +16,7 @@ import torch
 
 from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, run_sync
+from workers.protocol import Coalescing
 from workers.serving.async_engine import AsyncEngine, EngineDeadError
 from workers.serving.engine import LLMEngine
 from workers.serving.sampling import InvalidRequest, SamplingParams
@@ -685,7 +686,7 @@ async def test_streamed_logprobs_follow_the_tokens_returned(tiny, start, monkeyp
     runner = start(engine)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, logprobs=2)
     whole = []
-    async for event in runner.submit(p, params, interval_s=0.02):
+    async for event in runner.submit(p, params, coalescing=Coalescing(0.02)):
         assert len(event.logprobs) == len(event.token_ids)
         whole += event.logprobs
     assert len(whole) == 50

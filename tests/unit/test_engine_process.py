@@ -18,6 +18,7 @@ import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.modeling.config import CheckpointError
+from workers.protocol import Coalescing
 from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig
 from workers.serving.engine_process import EngineProcess
@@ -94,7 +95,7 @@ async def test_penalties_and_logprobs_cross_the_pipe(tiny, shared):
                             repetition_penalty=1.3, logit_bias=((70, 4.0),), logprobs=3)  # fmt: skip
     prompt = [BOS, 9, 8, 7]
     ids, logprobs = [], []
-    async for event in shared.submit(prompt, params, interval_s=0.01):
+    async for event in shared.submit(prompt, params, coalescing=Coalescing(0.01)):
         ids += event.token_ids
         logprobs += event.logprobs
     engine = new_engine(tiny, max_num_seqs=1)
@@ -121,12 +122,39 @@ async def test_coalesced_reads_gather_tokens_and_end_at_once(shared):
     """With a read interval, a stream yields far fewer events than tokens, and the last one comes
     as soon as the request ends, not after the rest of the interval."""
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    ids, _, reason, events = await drain(shared.submit([BOS, 3], params, interval_s=0.05))
+    ids, _, reason, events = await drain(shared.submit([BOS, 3], params, coalescing=Coalescing(0.05)))
     assert len(ids) == 40 and reason == "length" and events < 20
     t0 = time.monotonic()
-    ids, _, reason, events = await drain(shared.submit([BOS, 4], SamplingParams(max_tokens=3), interval_s=30.0))
+    ids, _, reason, events = await drain(
+        shared.submit([BOS, 4], SamplingParams(max_tokens=3), coalescing=Coalescing(30.0))
+    )
     # the first token at once and the rest at the end (one event when all three are there before the first read)
     assert time.monotonic() - t0 < 10 and events <= 2
+
+
+async def test_under_an_item_budget_many_streams_send_fewer_larger_items(shared):
+    """With items_per_s, all open streams together keep to the budget: each of 16 streams waits
+    16 / budget between its items, so its tokens come in few items (none lost), however fast the
+    engine steps."""
+    budget = Coalescing(0.0, items_per_s=20.0)  # 16 streams: an item per stream every 0.8 s
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def timed(i: int):
+        t0 = time.monotonic()
+        ids, _, reason, events = await drain(shared.submit([BOS, 5, i], params, coalescing=budget))
+        return len(ids), reason, events, time.monotonic() - t0
+
+    results = await asyncio.wait_for(asyncio.gather(*(timed(i) for i in range(16))), 120)
+    for tokens, reason, events, seconds in results:
+        assert (tokens, reason) == (50, "length")
+        assert events <= 2 + seconds / 0.8 + 1, (events, seconds)  # first, last, and one per 0.8 s between
+
+
+def test_the_item_budget_spreads_items_only_under_load():
+    budget = Coalescing(0.02, items_per_s=2000.0)
+    assert budget.wait_s(1) == budget.wait_s(40) == 0.02  # below the budget: the interval
+    assert budget.wait_s(256) == pytest.approx(0.128)  # 256 streams share 2000 items/s
+    assert Coalescing(0.02).wait_s(10_000) == 0.02
 
 
 async def test_closing_a_stream_frees_its_slot_in_the_child(tiny):
@@ -149,7 +177,7 @@ async def test_killed_child_fails_streams_submit_and_status(tiny):
     """The child killed mid-stream: the open stream raises EngineDeadError naming the exit, the
     front is no longer alive, and new requests and status fail fast."""
     engine = EngineProcess(config(tiny, max_num_seqs=2, max_model_len=LONG_LEN), tiny.tokenizer)
-    stream = engine.submit([BOS, 7], LONG, interval_s=0.01)
+    stream = engine.submit([BOS, 7], LONG, coalescing=Coalescing(0.01))
     await anext(stream)
     os.kill(engine.process.pid, signal.SIGKILL)
     with pytest.raises(EngineDeadError, match="exit code -9"):
@@ -163,7 +191,7 @@ async def test_killed_child_fails_streams_submit_and_status(tiny):
 
 async def test_shutdown_stops_the_child_and_fails_open_streams(tiny):
     engine = EngineProcess(config(tiny, max_num_seqs=2, max_model_len=LONG_LEN), tiny.tokenizer)
-    stream = engine.submit([BOS, 8], LONG, interval_s=0.01)
+    stream = engine.submit([BOS, 8], LONG, coalescing=Coalescing(0.01))
     await anext(stream)
     engine.shutdown()
     assert engine.process.returncode == 0

@@ -17,7 +17,8 @@ import pytest
 from app.failover import MAX_FAILOVERS, FailoverRouter, Progress, avoided, continuation
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from tests.unit.test_detokenizer import random_chunks
-from workers.serving.async_engine import AsyncEngine, Resume, StreamEvent
+from workers.protocol import Resume, StreamEvent
+from workers.serving.async_engine import AsyncEngine
 from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 
@@ -122,9 +123,9 @@ async def test_a_continuation_from_any_event_gives_the_uninterrupted_run(tiny, r
     prompt = [BOS, *enc(tiny.tokenizer, f"failover {case}")]
     params = CASES.get(case) or CASES["greedy"]
     if case == "stop":
-        text = summary(await events_of(runner.submit(prompt, params, interval_s=0)))[1]
+        text = summary(await events_of(runner.submit(prompt, params)))[1]
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(text[-8:-5],))
-    events = await events_of(runner.submit(prompt, params, interval_s=0))
+    events = await events_of(runner.submit(prompt, params))
     ids, text, reason, prompt_tokens, completion_tokens = whole = summary(events)
     assert len(events) > 5 and reason == ("stop" if case == "stop" else "length")
     seed = events[0].seed
@@ -132,7 +133,7 @@ async def test_a_continuation_from_any_event_gives_the_uninterrupted_run(tiny, r
     again = SamplingParams(**{**params.__dict__, "seed": seed})
     for n, event in enumerate(events[:-1], 1):
         sent = [t for e in events[:n] for t in e.token_ids]
-        rest = await events_of(runner.submit(prompt, again, resume=Resume(sent, event.detok), interval_s=0))
+        rest = await events_of(runner.submit(prompt, again, resume=Resume(sent, event.detok)))
         assert summary(events[:n] + rest) == whole, f"continued after event {n}"
         assert rest[0].completion_tokens > len(sent) and rest[-1].prompt_tokens == prompt_tokens
     assert completion_tokens == len(ids) and text

@@ -23,9 +23,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
-from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
+from workers.protocol import Coalescing, Resume, StreamEvent
+from workers.serving.detokenizer import IncrementalDetokenizer
 from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
-from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob
+from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
 
 log = logging.getLogger(__name__)
@@ -41,31 +42,6 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """The engine could not handle one request; the others go on."""
-
-
-@dataclass
-class StreamEvent:
-    """What a consumer sees: the new token ids and text of one read, and the counts so far (and
-    the new tokens' logprobs, for a request that asked for them)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    seed: int | None = None  # the seed its tokens are drawn with (drawn here when the request had none)
-    detok: DetokState | None = None  # the detokenizer's state after this event's tokens
-
-
-@dataclass(frozen=True)
-class Resume:
-    """A stream continued from another engine: the tokens its client got there (all of them, in
-    order) and that engine's detokenizer state after them. Its seed is in its SamplingParams."""
-
-    output_ids: list[int]
-    detok: DetokState
 
 
 def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
@@ -162,16 +138,16 @@ class StreamFront(ABC):
         params: SamplingParams,
         request_id: str | None = None,
         graph_denial: FallbackReason | None = None,
-        interval_s: float = 0.0,
+        coalescing: Coalescing = Coalescing(),
         adapter: tuple[str, str] | None = None,
         resume: Resume | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Validate and enqueue now (raising InvalidRequest or QueueFull at once); stream later.
 
-        With interval_s, the stream is read at most that often and each event carries every token
-        that gathered meanwhile (the first and the last at once): fewer, larger items for a
-        transport whose cost is per item. With resume, the stream goes on where another engine's
-        left off: its events carry only the new tokens and text, and count every token."""
+        The stream is read as `coalescing` says and each event carries every token that gathered
+        meanwhile (the first and the last at once): fewer, larger items for a transport whose cost
+        is per item. With resume, the stream goes on where another engine's left off: its events
+        carry only the new tokens and text, and count every token."""
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
         self.limits.check_prompt(prompt_ids)
@@ -191,7 +167,7 @@ class StreamFront(ABC):
         stream = _Stream()
         self._streams[seq.request_id] = stream
         self._send((ADD, seq))
-        return self._stream(seq, stream, interval_s, detok, len(output_ids))
+        return self._stream(seq, stream, coalescing, detok, len(output_ids))
 
     def _detokenizer(self, params: SamplingParams, resume: Resume | None) -> IncrementalDetokenizer:
         """A new request's detokenizer, or the one a continuation left off with (refused at once when
@@ -211,7 +187,7 @@ class StreamFront(ABC):
         self._send((DENY, (request_id, reason)))
 
     async def _stream(
-        self, seq: Sequence, stream: _Stream, interval_s: float, detok: IncrementalDetokenizer, produced: int
+        self, seq: Sequence, stream: _Stream, coalescing: Coalescing, detok: IncrementalDetokenizer, produced: int
     ) -> AsyncIterator[StreamEvent]:
         finished = False
         try:
@@ -229,9 +205,11 @@ class StreamFront(ABC):
                 logprobs = item.logprobs[: len(token_ids)] if item.logprobs is not None else None
                 yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason, logprobs,
                                   seq.seed, detok.state())  # fmt: skip
-                if interval_s and not finished:
+                wait_s = coalescing.wait_s(len(self._streams))
+                if wait_s and not finished:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stream.ended.wait(), interval_s)
+                        async with asyncio.timeout(wait_s):
+                            await stream.ended.wait()
         finally:
             if not finished:
                 self.cancel(seq.request_id)

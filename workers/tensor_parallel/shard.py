@@ -17,7 +17,8 @@ import torch
 from policies.dispatch import FallbackReason
 from workers.graphs.graph_runner import StepRunners
 from workers.modeling.model import LlamaModel
-from workers.serving.async_engine import AsyncEngine, Resume, StreamEvent
+from workers.protocol import Coalescing, Resume, StreamEvent
+from workers.serving.async_engine import AsyncEngine
 from workers.serving.engine import (
     EngineConfig,
     EngineStatus,
@@ -92,11 +93,11 @@ class ShardWorker:
         params: SamplingParams,
         request_id: str,
         graph_denial: FallbackReason | None,
-        interval_s: float,
+        coalescing: Coalescing,
         adapter: tuple[str, str] | None = None,
         resume: Resume | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, interval_s, adapter,
+        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, coalescing, adapter,
                                               resume):  # fmt: skip
             yield event
 
