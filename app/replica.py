@@ -33,7 +33,7 @@ from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.modeling.lora import LoraLimits
-from workers.protocol import Coalescing, Engine, Resume, StreamEvent
+from workers.protocol import Coalescing, Engine, EngineRequest, Resume, StreamEvent
 from workers.serving.async_engine import EngineDeadError, RequestFailed
 from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
@@ -469,7 +469,8 @@ class LLMReplica:
         for _ in range(self.config.engine_max_restarts + 1):
             try:
                 denial = self.denial_of[request_id] = self._denial(tenant, request_id)
-                stream = aiter(self.engine.submit(prompt_ids, params, request_id, denial, coalescing, adapter, resume))
+                request = EngineRequest(prompt_ids, params, request_id, denial, coalescing, adapter, resume)
+                stream = aiter(self.engine.submit(request))
                 return await anext(stream), stream
             except EngineDeadError as e:
                 log.warning("replica %s: request %s waits for the engine (%s)", self.replica_id, request_id, e)

@@ -25,12 +25,11 @@ from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import model_dir
-from workers.protocol import Coalescing, Resume, StreamEvent
+from workers.protocol import EngineRequest, StreamEvent
 from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.engine_process import CHECK_ADAPTER, GATE, SWAP_IN_PLACE, EngineProcess
 from workers.serving.model_gate import same_shapes
-from workers.serving.sampling import SamplingParams
 from workers.tensor_parallel.shard import ShardWorker
 
 log = logging.getLogger(__name__)
@@ -126,17 +125,8 @@ class LocalEngine:
     def restarting(self) -> bool:
         return self._restarting is not None and not self._restarting.done()
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        graph_denial: FallbackReason | None,
-        coalescing: Coalescing,
-        adapter: tuple[str, str] | None = None,
-        resume: Resume | None = None,
-    ) -> AsyncIterator[StreamEvent]:
-        return self.runner.submit(prompt_ids, params, request_id, graph_denial, coalescing, adapter, resume)
+    def submit(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        return self.runner.submit_request(request)
 
     async def check_adapter(self, name: str, path: str) -> dict:
         """Load and verify an adapter in the engine (InvalidRequest says why it cannot serve)."""
@@ -327,19 +317,8 @@ class ShardGroup:
         except Exception:  # a rank that cannot answer is not ready
             return False
 
-    async def submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        graph_denial: FallbackReason | None,
-        coalescing: Coalescing,
-        adapter: tuple[str, str] | None = None,
-        resume: Resume | None = None,
-    ) -> AsyncIterator[StreamEvent]:
-        refs = self.rank0.generate.options(num_returns="streaming").remote(
-            prompt_ids, params, request_id, graph_denial, coalescing, adapter, resume
-        )
+    async def submit(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        refs = self.rank0.generate.options(num_returns="streaming").remote(request)
         try:
             async for ref in refs:
                 try:

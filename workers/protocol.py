@@ -60,6 +60,21 @@ class Coalescing:
         return max(self.interval_s, open_streams / self.items_per_s)
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence a replica submits (a choice of a request): its prompt and sampling, its id, the
+    graph permission it starts with, how its stream is read, its LoRA adapter (name, path), and
+    where it goes on from when another engine started it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    graph_denial: FallbackReason | None = None
+    coalescing: Coalescing = Coalescing()
+    adapter: tuple[str, str] | None = None
+    resume: Resume | None = None
+
+
 class Engine(Protocol):
     """An engine as its replica sees it: loaded, captured and verified once `start` returns."""
 
@@ -72,17 +87,8 @@ class Engine(Protocol):
     async def start(self) -> None:
         """Return once every rank is READY."""
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        graph_denial: FallbackReason | None,
-        coalescing: Coalescing,
-        adapter: tuple[str, str] | None = None,
-        resume: Resume | None = None,
-    ) -> AsyncIterator[StreamEvent]:
-        """The request's events, read as `coalescing` says."""
+    def submit(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        """The request's events, read as its `coalescing` says."""
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         """A running request's graph permission, from its next step on."""

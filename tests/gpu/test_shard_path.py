@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from workers.protocol import EngineRequest
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import SamplingParams
 
@@ -33,7 +34,7 @@ def test_shard_actor_tp1_captures_and_matches_eager(tmp_path, monkeypatch):
         async def run_all():
             async def one(i, p):
                 out = []
-                async for event in group.submit(p, params, f"r{i}", None, 0.0):
+                async for event in group.submit(EngineRequest(p, params, f"r{i}")):
                     out += event.token_ids
                 return out
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.protocol import EngineRequest
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import SamplingParams
 
@@ -56,7 +57,7 @@ def eager_tokens(path) -> list[list[int]]:
 async def decode(group) -> list[list[int]]:
     async def one(prompt: list[int]) -> list[int]:
         out = []
-        async for event in group.submit(prompt, GREEDY, f"r{next(REQUEST_IDS)}", None, 0.0):
+        async for event in group.submit(EngineRequest(prompt, GREEDY, f"r{next(REQUEST_IDS)}")):
             out += event.token_ids
         return out
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from policies.graph_policy import GraphPolicy
+from workers.protocol import EngineRequest
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import SamplingParams
 
@@ -48,7 +49,7 @@ def tp1_tokens(prompts: list[list[int]], **kv) -> list[list[int]]:
 def sharded_tokens(group, prompts: list[list[int]]) -> list[list[int]]:
     async def one(i: int, prompt: list[int]) -> list[int]:
         out = []
-        async for event in group.submit(prompt, GREEDY, f"r{i}-{len(prompts)}", None, 0.0):
+        async for event in group.submit(EngineRequest(prompt, GREEDY, f"r{i}-{len(prompts)}")):
             out += event.token_ids
         return out
 

@@ -10,6 +10,7 @@ import ray
 from app.shards import ShardGroup
 from tests.unit.conftest import make_hf_checkpoint
 from workers.modeling.default_model import build_byte_tokenizer
+from workers.protocol import Coalescing, EngineRequest
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import SamplingParams
 
@@ -39,7 +40,7 @@ async def greedy_sharded(group: ShardGroup) -> list[list[int]]:
         tokens = []
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
         # reads every 10 ms, as the replica does: the tokens of several steps arrive as one event
-        async for event in group.submit(prompt, params, f"req-{i}", None, 0.01):
+        async for event in group.submit(EngineRequest(prompt, params, f"req-{i}", coalescing=Coalescing(0.01))):
             tokens += event.token_ids
         return tokens
 
@@ -76,7 +77,7 @@ def test_dead_shard_is_noticed_and_nothing_hangs(ray_cluster, monkeypatch):
         await group.start()
         await group.check()
         params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-        stream = group.submit(PROMPTS[0], params, "long", None, 0.0)
+        stream = group.submit(EngineRequest(PROMPTS[0], params, "long"))
         await anext(stream)
         ray.kill(group.shards[1])
         t0 = time.monotonic()

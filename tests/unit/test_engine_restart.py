@@ -18,6 +18,7 @@ import pytest
 from app.shards import LocalEngine
 from policies.restarts import RestartBudget
 from tests.unit.engine_fixtures import Tiny, load_tiny
+from workers.protocol import EngineRequest
 from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig
 from workers.serving.engine_process import EngineProcess, child_environment
@@ -45,9 +46,10 @@ async def until(predicate, timeout: float, what: str):
     return value
 
 
-async def generate(engine, request_id: str, max_tokens: int = 5) -> list[int]:
+async def generate(submit, request_id: str, max_tokens: int = 5) -> list[int]:
+    """Greedy tokens through `submit` (an Engine's, or an engine front's submit_request)."""
     ids, params = [], SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    async for event in engine.submit([BOS, 1, 2], params, request_id, None, 0.0):
+    async for event in submit(EngineRequest([BOS, 1, 2], params, request_id)):
         ids += event.token_ids
     return ids
 
@@ -56,9 +58,9 @@ async def test_killed_child_is_restarted_and_serves_until_the_budget_is_spent(ti
     engine = LocalEngine(config(tiny), RestartBudget(1, 600), timeout_s=10, start_timeout_s=120)
     await engine.start()
     try:
-        expected = await generate(engine, "before")
+        expected = await generate(engine.submit, "before")
         first = engine.runner.pid
-        stream = aiter(engine.submit([BOS, 3], LONG, "running", None, 0.0))
+        stream = aiter(engine.submit(EngineRequest([BOS, 3], LONG, "running")))
         await anext(stream)
         os.kill(first, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
@@ -67,7 +69,7 @@ async def test_killed_child_is_restarted_and_serves_until_the_budget_is_spent(ti
         assert await engine.wait_ready(120)
         assert engine.runner.pid != first and engine.restarts == 1
         await engine.check()
-        assert await generate(engine, "after") == expected  # the same greedy tokens from the new engine
+        assert await generate(engine.submit, "after") == expected  # the same greedy tokens from the new engine
 
         os.kill(engine.runner.pid, signal.SIGKILL)  # a second death: the budget (1 restart) is spent
         await until(lambda: engine.failure, 30, "the engine to be given up")
@@ -75,7 +77,7 @@ async def test_killed_child_is_restarted_and_serves_until_the_budget_is_spent(ti
         with pytest.raises(RuntimeError, match="failed 2 times"):
             await engine.check()
         with pytest.raises(EngineDeadError):
-            await generate(engine, "refused")
+            await generate(engine.submit, "refused")
     finally:
         engine.runner.shutdown()
 
@@ -90,7 +92,7 @@ async def test_wedged_child_fails_a_check_then_is_restarted(tiny):
             await asyncio.wait_for(engine.check(), 10)
         assert await engine.wait_ready(120) and engine.runner.pid != wedged
         await engine.check()
-        assert await generate(engine, "after")
+        assert await generate(engine.submit, "after")
     finally:
         engine.runner.shutdown()
 
@@ -106,7 +108,7 @@ async def test_status_that_timed_out_leaves_the_reader_working(tiny):
         os.kill(process.pid, signal.SIGCONT)
         status = await process.status(10)
         assert status.state == "READY" and process.alive
-        assert await generate(process, "still-serving")
+        assert await generate(process.submit_request, "still-serving")
     finally:
         process.shutdown()
 
@@ -117,7 +119,7 @@ async def test_dead_reader_makes_the_engine_dead_and_ends_streams(tiny):
     exits = []
     process = EngineProcess(config(tiny), tiny.tokenizer, on_exit=exits.append)
     try:
-        stream = aiter(process.submit([BOS, 4], LONG, "victim", None, 0.0))
+        stream = aiter(process.submit([BOS, 4], LONG, "victim"))
 
         def broken_emit(events):
             raise RuntimeError("Event loop is closed")

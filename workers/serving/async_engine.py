@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
-from workers.protocol import Coalescing, Resume, StreamEvent
+from workers.protocol import Coalescing, EngineRequest, Resume, StreamEvent
 from workers.serving.detokenizer import IncrementalDetokenizer
 from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
 from workers.serving.sampling import InvalidRequest, SamplingParams
@@ -168,6 +168,11 @@ class StreamFront(ABC):
         self._streams[seq.request_id] = stream
         self._send((ADD, seq))
         return self._stream(seq, stream, coalescing, detok, len(output_ids))
+
+    def submit_request(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        """`submit` of a replica's typed request."""
+        r = request
+        return self.submit(r.prompt_ids, r.params, r.request_id, r.graph_denial, r.coalescing, r.adapter, r.resume)
 
     def _detokenizer(self, params: SamplingParams, resume: Resume | None) -> IncrementalDetokenizer:
         """A new request's detokenizer, or the one a continuation left off with (refused at once when

@@ -17,7 +17,7 @@ import torch
 from policies.dispatch import FallbackReason
 from workers.graphs.graph_runner import StepRunners
 from workers.modeling.model import LlamaModel
-from workers.protocol import Coalescing, Resume, StreamEvent
+from workers.protocol import EngineRequest, StreamEvent
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.engine import (
     EngineConfig,
@@ -29,7 +29,6 @@ from workers.serving.engine import (
     resolve_device,
 )  # fmt: skip
 from workers.serving.model_gate import run_gate, swap_weights_in_place
-from workers.serving.sampling import SamplingParams
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
 log = logging.getLogger(__name__)
@@ -87,18 +86,8 @@ class ShardWorker:
 
     # -- rank 0 only -------------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        graph_denial: FallbackReason | None,
-        coalescing: Coalescing,
-        adapter: tuple[str, str] | None = None,
-        resume: Resume | None = None,
-    ) -> AsyncIterator[StreamEvent]:
-        async for event in self.engine.submit(prompt_ids, params, request_id, graph_denial, coalescing, adapter,
-                                              resume):  # fmt: skip
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        async for event in self.engine.submit_request(request):
             yield event
 
     async def check_adapter(self, name: str, path: str) -> dict:
