@@ -90,15 +90,16 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     return {"report": engine.runner.report(), "replayed": dict(engine.runner.replayed), "parts": parts}
 
 
-def start_two_ranks(model_dir: str) -> dict[int, dict]:
-    """Both ranks' results; the test fails with a rank's error, as soon as a rank dies (gloo aborts
-    a process on a collective mismatch), or when the deadline passes."""
+def start_two_ranks(model_dir, target=_rank) -> dict[int, dict]:
+    """Both ranks' results of target(rank, port, model_dir, conn) (default: start up and serve); the
+    test fails with a rank's error, as soon as a rank dies (gloo aborts a process on a collective
+    mismatch), or when the deadline passes."""
     ctx = mp.get_context("spawn")
     port = _port()
     pending, procs = {}, []
     for rank in range(2):
         receive, send = ctx.Pipe(duplex=False)
-        procs.append(ctx.Process(target=_rank, args=(rank, port, model_dir, send)))
+        procs.append(ctx.Process(target=target, args=(rank, port, model_dir, send)))
         procs[-1].start()
         send.close()  # the child holds the only sending end: its death reads as end of file
         pending[receive] = rank

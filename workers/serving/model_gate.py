@@ -63,7 +63,7 @@ def run_gate(engine: LLMEngine, tokenizer, prompts_file: str | None) -> dict:
         raise GateFailed("graphs disagree with eager: " + "; ".join(f"{b}: {d}" for b, d in failed.items()))
     ranks = engine.agree(None)
     if ranks:
-        raise GateFailed(f"graphs disagree with eager on tensor-parallel rank(s) {ranks} (their logs say which)")
+        raise GateFailed(f"tensor-parallel rank(s) {ranks} failed the gate (their logs say why)")
     graphs = _greedy(engine, prompts, GOLDEN_TOKENS, None)
     eager = _greedy(engine, prompts, GOLDEN_TOKENS, FallbackReason.DISABLED)
     for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
