@@ -44,10 +44,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, model_dir: str, conn) -> None:
+def _rank(work, rank: int, port: int, arg, conn) -> None:
+    """One rank's process: work(rank, port, arg)'s result (or its error) to the test."""
     torch.set_num_threads(1)
     try:
-        conn.send(_start_and_serve(rank, port, model_dir))
+        conn.send(work(rank, port, arg))
     except BaseException as e:  # reported to the test, which fails with it
         conn.send(f"{type(e).__name__}: {e}")
     finally:
@@ -90,16 +91,16 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     return {"report": engine.runner.report(), "replayed": dict(engine.runner.replayed), "parts": parts}
 
 
-def start_two_ranks(model_dir, target=_rank) -> dict[int, dict]:
-    """Both ranks' results of target(rank, port, model_dir, conn) (default: start up and serve); the
-    test fails with a rank's error, as soon as a rank dies (gloo aborts a process on a collective
-    mismatch), or when the deadline passes."""
+def start_two_ranks(arg, work=_start_and_serve) -> dict[int, dict]:
+    """Both ranks' results of work(rank, port, arg) (default: start up and serve); the test fails
+    with a rank's error, as soon as a rank dies (gloo aborts a process on a collective mismatch), or
+    when the deadline passes."""
     ctx = mp.get_context("spawn")
     port = _port()
     pending, procs = {}, []
     for rank in range(2):
         receive, send = ctx.Pipe(duplex=False)
-        procs.append(ctx.Process(target=target, args=(rank, port, model_dir, send)))
+        procs.append(ctx.Process(target=_rank, args=(work, rank, port, arg, send)))
         procs[-1].start()
         send.close()  # the child holds the only sending end: its death reads as end of file
         pending[receive] = rank

@@ -7,8 +7,6 @@ decodes what a fresh engine on the new checkpoint decodes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -35,19 +33,6 @@ def decode(engine: LLMEngine) -> list[list[int]]:
     while engine.has_work():
         engine.step()
     return [s.output_ids for s in seqs]
-
-
-def _rank(rank: int, port: int, paths: dict, conn) -> None:
-    torch.set_num_threads(1)
-    try:
-        conn.send(_swap_twice(rank, port, paths))
-    except BaseException as e:
-        conn.send(f"{type(e).__name__}: {e}")
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    conn.close()
-    os._exit(0)
 
 
 def _swap_twice(rank: int, port: int, paths: dict) -> dict:
@@ -85,7 +70,7 @@ def test_one_rank_failing_undoes_the_swap_on_every_rank(tmp_path):
     shape = tiny_hf_config(len(tokenizer))
     paths = {name: str(write_checkpoint(tmp_path / name, shape, tokenizer, seed=seed))
              for name, seed in (("v1", 41), ("v2", 42), ("v3", 43))}  # fmt: skip
-    results = start_two_ranks(paths, target=_rank)
+    results = start_two_ranks(paths, work=_swap_twice)
     rank0 = results[0]
     assert rank0["refused"] is not None and "rank(s) [1]" in rank0["refused"], rank0["refused"]
     assert rank0["after_refusal"] == rank0["before"]
