@@ -38,8 +38,10 @@ def deployment(args: dict) -> Application:
     if tp > 1:
         # The replica (bundle 0) needs no GPU; each shard gets a bundle of its own, all on one node.
         shard_bundle = {"CPU": config.shard_num_cpus, **({"GPU": 1} if gpu else {})}
-        placement = dict(placement_group_bundles=[{"CPU": config.replica_num_cpus}] + [shard_bundle] * tp,
-                         placement_group_strategy="STRICT_PACK")  # fmt: skip
+        placement = dict(
+            placement_group_bundles=[{"CPU": config.replica_num_cpus}] + [shard_bundle] * tp,
+            placement_group_strategy="STRICT_PACK",
+        )
     replica = serve.deployment(LLMReplica).options(
         name="LLMReplica",
         ray_actor_options={"num_cpus": config.replica_num_cpus, "num_gpus": 1 if gpu and tp == 1 else 0},

@@ -115,9 +115,12 @@ def signals_from_statuses(statuses: dict[str, dict]) -> Signals:
         mismatches += shadow.get("mismatches", 0)
         detail = shadow.get("last_mismatch") or detail
     return Signals(
-        graph=CohortSignals(**sums["graph"]), holdback=CohortSignals(**sums["holdback"]),
-        shadow_checks=checks, shadow_mismatches=mismatches, shadow_detail=detail,
-    )  # fmt: skip
+        graph=CohortSignals(**sums["graph"]),
+        holdback=CohortSignals(**sums["holdback"]),
+        shadow_checks=checks,
+        shadow_mismatches=mismatches,
+        shadow_detail=detail,
+    )
 
 
 def _invalid(e: ValidationError) -> dict:
@@ -157,8 +160,12 @@ def _read_state(path: Path) -> dict[str, Any] | None:
     try:
         path.rename(aside)
     except OSError as e:
-        log.error("controller state %s is %s and could not be renamed aside (%s); starting from the config's "
-                  "toggles", path, reason, e)  # fmt: skip
+        log.error(
+            "controller state %s is %s and could not be renamed aside (%s); starting from the config's toggles",
+            path,
+            reason,
+            e,
+        )
         return None
     log.error("controller state %s is %s; kept as %s, starting from the config's toggles", path, reason, aside.name)
     return None
@@ -292,16 +299,25 @@ class GraphController:
         self.ensure_decision_loop()
         if known_version == self.version:
             return self.version, None
-        return self.version, {"toggles": dict(self.toggles), "rollout": self._cohort_rule(),
-                              "swap": self._swap_order(), "serving_model": self.serving_model}  # fmt: skip
+        return self.version, {
+            "toggles": dict(self.toggles),
+            "rollout": self._cohort_rule(),
+            "swap": self._swap_order(),
+            "serving_model": self.serving_model,
+        }
 
     def _swap_order(self) -> dict | None:
         """What replicas need of a running swap: its id, kind, target, and who swaps now."""
         if self.swap is None or self.swap.phase != SwapPhase.PROGRESSING:
             return None
         s = self.swap
-        return {"id": s.id, "kind": s.kind, "target": s.target, "drain_timeout_s": s.drain_timeout_s,
-                "now": s.now_swapping()}  # fmt: skip
+        return {
+            "id": s.id,
+            "kind": s.kind,
+            "target": s.target,
+            "drain_timeout_s": s.drain_timeout_s,
+            "now": s.now_swapping(),
+        }
 
     def _cohort_rule(self) -> dict | None:
         return None if self.rollout is None else self.rollout.cohort_rule().model_dump()
@@ -324,8 +340,15 @@ class GraphController:
         before = self.toggles.get(tenant, True)
         if before == enabled:
             return self.tenant(tenant)
-        entry = {"time": time.time(), "actor": actor, "client": client, "tenant": tenant,
-                 "action": "set_cuda_graph", "before": before, "after": enabled}  # fmt: skip
+        entry = {
+            "time": time.time(),
+            "actor": actor,
+            "client": client,
+            "tenant": tenant,
+            "action": "set_cuda_graph",
+            "before": before,
+            "after": enabled,
+        }
         try:
             self._commit([entry], toggles={**self.toggles, tenant: enabled})
         except StateWriteError as e:
@@ -346,8 +369,14 @@ class GraphController:
         if before is not None and before["path"] == path:
             return {"name": name, **before}
         entry = {"path": path, "added_by": actor, "added_at": time.time()}
-        audit = {"time": entry["added_at"], "actor": actor, "action": "add_lora_adapter", "adapter": name,
-                 "path": path, "replaced_path": before and before["path"]}  # fmt: skip
+        audit = {
+            "time": entry["added_at"],
+            "actor": actor,
+            "action": "add_lora_adapter",
+            "adapter": name,
+            "path": path,
+            "replaced_path": before and before["path"],
+        }
         try:
             self._commit([audit], lora_adapters={**self.lora_adapters, name: entry})
         except StateWriteError as e:
@@ -358,8 +387,13 @@ class GraphController:
         entry = self.lora_adapters.get(name)
         if entry is None:
             return {"error": f"no adapter {name!r} was registered through the admin API", "status": 404}
-        audit = {"time": time.time(), "actor": actor, "action": "remove_lora_adapter", "adapter": name,
-                 "path": entry["path"]}  # fmt: skip
+        audit = {
+            "time": time.time(),
+            "actor": actor,
+            "action": "remove_lora_adapter",
+            "adapter": name,
+            "path": entry["path"],
+        }
         try:
             self._commit([audit], lora_adapters={k: v for k, v in self.lora_adapters.items() if k != name})
         except StateWriteError as e:
@@ -415,8 +449,11 @@ class GraphController:
         rollout_id = f"rollout-{self.rollouts_started + 1}"
         rollout = Rollout.start(parsed, rollout_id, time.time(), self.signals(), actor)
         try:
-            self._commit(self._audit_entries(rollout, rollout.history), rollout=rollout,
-                         rollouts_started=self.rollouts_started + 1)  # fmt: skip
+            self._commit(
+                self._audit_entries(rollout, rollout.history),
+                rollout=rollout,
+                rollouts_started=self.rollouts_started + 1,
+            )
         except StateWriteError as e:
             return {"error": f"the rollout was not started: {e}", "status": 409}
         return {"rollout": self.current_rollout()}
@@ -428,13 +465,19 @@ class GraphController:
             return None
         r = self.rollout
         return {
-            "id": r.id, "phase": r.phase.value, "step": r.step, "percent": r.percent, "reason": r.reason,
-            "plan": r.plan.model_dump(mode="json"), "stage_started_at": r.stage_started_at,
-            "failed_evaluations": r.failed_evaluations, "guard_failures": dict(r.guard_failures),
+            "id": r.id,
+            "phase": r.phase.value,
+            "step": r.step,
+            "percent": r.percent,
+            "reason": r.reason,
+            "plan": r.plan.model_dump(mode="json"),
+            "stage_started_at": r.stage_started_at,
+            "failed_evaluations": r.failed_evaluations,
+            "guard_failures": dict(r.guard_failures),
             "guards": [g.model_dump(mode="json") for g in r.results],
             "signals": r.stage_signals.model_dump(mode="json"),
             "history": [t.model_dump(mode="json") for t in r.history],
-        }  # fmt: skip
+        }
 
     def rollout_action(self, action: str, actor: str) -> dict:
         """pause, resume, promote or abort the current rollout: {"rollout": ...} or {"error", "status"}."""
@@ -475,8 +518,10 @@ class GraphController:
         if self.swap is not None and self.swap.phase == SwapPhase.PROGRESSING:
             return {"error": f"swap {self.swap.id} is in progress", "status": 409}
         if self.rollout is not None and not self.rollout.finished:
-            return {"error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; finish or abort it first",
-                    "status": 409}  # fmt: skip
+            return {
+                "error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; finish or abort it first",
+                "status": 409,
+            }
         statuses = self.replica_statuses()
         ready = sorted(r for r, st in statuses.items() if st.get("state") == "READY")
         if not ready:
@@ -522,8 +567,9 @@ class GraphController:
         if before is None or reported.get("step") == before.step:
             return
         swap = self.swap.model_copy(deep=True)
-        reason = swap.record(replica_id, reported.get("step", ""), time.time(), reported.get("detail"),
-                             reported.get("path"))  # fmt: skip
+        reason = swap.record(
+            replica_id, reported.get("step", ""), time.time(), reported.get("detail"), reported.get("path")
+        )
         if swap.replicas[replica_id].step == before.step:
             return
         self._swap_changed(swap, replica_id, reason)
@@ -532,12 +578,29 @@ class GraphController:
         entries = []
         if replica_id is not None:
             progress = swap.replicas[replica_id]
-            entries.append({"time": time.time(), "actor": "controller", "action": "swap", "swap_id": swap.id,
-                            "replica": replica_id, "step": progress.step, "detail": progress.detail})  # fmt: skip
+            entries.append(
+                {
+                    "time": time.time(),
+                    "actor": "controller",
+                    "action": "swap",
+                    "swap_id": swap.id,
+                    "replica": replica_id,
+                    "step": progress.step,
+                    "detail": progress.detail,
+                }
+            )
         changes: dict[str, Any] = {"swap": swap}
         if reason is not None:
-            entries.append({"time": time.time(), "actor": "controller", "action": "swap", "swap_id": swap.id,
-                            "phase": swap.phase.value, "reason": reason})  # fmt: skip
+            entries.append(
+                {
+                    "time": time.time(),
+                    "actor": "controller",
+                    "action": "swap",
+                    "swap_id": swap.id,
+                    "phase": swap.phase.value,
+                    "reason": reason,
+                }
+            )
             log.warning("swap %s: %s (%s)", swap.id, reason, swap.phase.value)
             if swap.phase == SwapPhase.SUCCEEDED:
                 changes["serving_model"] = {**(self.serving_model or {}), **swap.target}
@@ -590,14 +653,22 @@ class GraphController:
         n = max_buckets or len(current) or DEFAULT_RECOMMENDED_BUCKETS
         now, best = ladder_cost(histogram, sorted(current)), ladder_cost(histogram, best_buckets(histogram, n))
         return {
-            "max_buckets": n, "decode_steps": sum(histogram.values()),
+            "max_buckets": n,
+            "decode_steps": sum(histogram.values()),
             "batch_sizes": dict(sorted(histogram.items())),
-            "recommended": {"buckets": list(best.buckets), "padding_waste": best.padding_waste,
-                            "graph_hit_rate": best.graph_hit_rate,
-                            "graph_memory_mb": graph_memory_mb(best.buckets, memory)},
-            "current": {"buckets": list(now.buckets), "padding_waste": now.padding_waste,
-                        "graph_hit_rate": now.graph_hit_rate, "graph_memory_mb": graph_memory_mb(now.buckets, memory)},
-        }  # fmt: skip
+            "recommended": {
+                "buckets": list(best.buckets),
+                "padding_waste": best.padding_waste,
+                "graph_hit_rate": best.graph_hit_rate,
+                "graph_memory_mb": graph_memory_mb(best.buckets, memory),
+            },
+            "current": {
+                "buckets": list(now.buckets),
+                "padding_waste": now.padding_waste,
+                "graph_hit_rate": now.graph_hit_rate,
+                "graph_memory_mb": graph_memory_mb(now.buckets, memory),
+            },
+        }
 
     def signals(self) -> Signals:
         return signals_from_statuses(self.replicas)
@@ -639,9 +710,19 @@ class GraphController:
 
     @staticmethod
     def _audit_entries(rollout: Rollout, transitions: list) -> list[dict]:
-        return [{"time": t.at, "actor": t.actor, "action": "rollout", "rollout_id": rollout.id,
-                 "phase": t.phase.value, "step": t.step, "percent": t.percent, "reason": t.reason}
-                for t in transitions]  # fmt: skip
+        return [
+            {
+                "time": t.at,
+                "actor": t.actor,
+                "action": "rollout",
+                "rollout_id": rollout.id,
+                "phase": t.phase.value,
+                "step": t.step,
+                "percent": t.percent,
+                "reason": t.reason,
+            }
+            for t in transitions
+        ]
 
     def audit_log(self, limit: int = 100) -> list[dict]:
         return self.audit[-limit:]

@@ -41,8 +41,9 @@ def _openapi() -> dict:
     (strict JSON, OpenAI's 400s), so FastAPI does not see the models on its own."""
     if api.openapi_schema is None:
         schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
-        _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatRequest)],
-                                     ref_template=SCHEMA_REF)  # fmt: skip
+        _, defs = models_json_schema(
+            [(m, "validation") for m in (CompletionRequest, ChatRequest)], ref_template=SCHEMA_REF
+        )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         api.openapi_schema = schema
     return api.openapi_schema
@@ -70,8 +71,9 @@ async def _controller_unavailable(request: Request, exc: ControllerUnavailable) 
     log.warning("%s %s: %s", request.method, request.url.path, exc)
     if request.url.path.startswith("/v1"):
         return error_response(503, "the graph controller is unavailable; retry shortly", headers=RETRY_AFTER)
-    return JSONResponse({"detail": "the graph controller is unavailable; retry shortly"}, status_code=503,
-                        headers=RETRY_AFTER)  # fmt: skip
+    return JSONResponse(
+        {"detail": "the graph controller is unavailable; retry shortly"}, status_code=503, headers=RETRY_AFTER
+    )
 
 
 class ToggleBody(BaseModel):
@@ -225,8 +227,17 @@ class Ingress:
         if auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys) is None:
             return error_response(401, "invalid or missing API key")
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "graphserve"}
-        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "graphserve", "root": path,
-                     "parent": self.model_name} for name, path in sorted((await self._adapters()).items())]  # fmt: skip
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "graphserve",
+                "root": path,
+                "parent": self.model_name,
+            }
+            for name, path in sorted((await self._adapters()).items())
+        ]
         return JSONResponse({"object": "list", "data": [{**card, **await self._serving()}, *adapters]})
 
     async def _serving(self) -> dict:
@@ -241,8 +252,11 @@ class Ingress:
             return {}
         revisions = sorted({s.get("model_revision") for s in ready})
         roots = sorted({s.get("model") or model_name(None) for s in ready})  # what each replica loaded
-        return {"root": roots[0] if len(roots) == 1 else roots, "revision": revisions[0] if len(revisions) == 1 else
-                revisions, "max_model_len": min(s.get("max_model_len", 0) for s in ready)}  # fmt: skip
+        return {
+            "root": roots[0] if len(roots) == 1 else roots,
+            "revision": revisions[0] if len(revisions) == 1 else revisions,
+            "max_model_len": min(s.get("max_model_len", 0) for s in ready),
+        }
 
     @api.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
@@ -267,8 +281,11 @@ class Ingress:
         if req.model != self.model_name:
             path = (await self._adapters()).get(req.model)
             if path is None:
-                return error_response(404, f"model {req.model!r} is not served here; try {self.model_name!r} or "
-                                      "an adapter /v1/models lists", "model")  # fmt: skip
+                return error_response(
+                    404,
+                    f"model {req.model!r} is not served here; try {self.model_name!r} or an adapter /v1/models lists",
+                    "model",
+                )
             adapter = (req.model, path)
         if not await self.readiness.any_ready():
             return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
@@ -296,8 +313,9 @@ class Ingress:
         seed = {SEED_HEADER: str(first["seed"])}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(shape, first, items, include_usage), media_type="text/event-stream",
-                                     headers=seed)  # fmt: skip
+            return StreamingResponse(
+                self._stream(shape, first, items, include_usage), media_type="text/event-stream", headers=seed
+            )
         response = await self._collect(shape, first, items)
         response.headers.update(seed)
         return response
@@ -373,8 +391,9 @@ class Ingress:
         bound, with another replica serving."""
         if not progress.fail(failure) or not await self.readiness.serving() - set(progress.avoid):
             return False
-        log.warning("request fails over to another replica after %d tokens: %s", len(progress.output_ids),
-                    failure["error"])  # fmt: skip
+        log.warning(
+            "request fails over to another replica after %d tokens: %s", len(progress.output_ids), failure["error"]
+        )
         return True
 
     async def _first_item(self, payload: dict, adapter: str | None = None) -> tuple[object, dict | None]:
@@ -443,9 +462,13 @@ class Ingress:
         else the 4xx refusal (logged by auth.authorize_admin, without the token)."""
         env = f"{self.config.admin_tokens_env} or {self.config.admin_token_env}"
         client = request.client.host if request.client else "unknown"
-        result = auth.authorize_admin(request.headers.get("authorization"), self.admin_tokens,
-                                      f"set {env} on the Serve processes to enable it", client,
-                                      request.url.path)  # fmt: skip
+        result = auth.authorize_admin(
+            request.headers.get("authorization"),
+            self.admin_tokens,
+            f"set {env} on the Serve processes to enable it",
+            client,
+            request.url.path,
+        )
         if isinstance(result, auth.AdminRefusal):
             return JSONResponse({"detail": result.detail}, status_code=result.status)
         request.state.operator = result
@@ -517,8 +540,9 @@ class Ingress:
         if denied:
             return denied
         if action not in ROLLOUT_ACTIONS:
-            return JSONResponse({"detail": f"unknown rollout action {action!r}; known: {', '.join(ROLLOUT_ACTIONS)}"},
-                                status_code=404)  # fmt: skip
+            return JSONResponse(
+                {"detail": f"unknown rollout action {action!r}; known: {', '.join(ROLLOUT_ACTIONS)}"}, status_code=404
+            )
         return _rollout_response(await self.controller.call("rollout_action", action, request.state.operator), 200)
 
     @api.post("/admin/model")
@@ -529,8 +553,9 @@ class Ingress:
             return denied
         body = await _json_body(request)
         if isinstance(body, JSONResponse):
-            return JSONResponse({"detail": 'request body must be a JSON object: {"model": "<checkpoint dir>"}'},
-                                status_code=400)  # fmt: skip
+            return JSONResponse(
+                {"detail": 'request body must be a JSON object: {"model": "<checkpoint dir>"}'}, status_code=400
+            )
         previous = {"model": self.config.model, "revision": self.config.model_revision}
         result = await self.controller.call("start_swap", "model", body, previous, request.state.operator)
         return _swap_response(result)
@@ -545,8 +570,9 @@ class Ingress:
         if isinstance(policy, JSONResponse):
             return policy
         previous = {"graph_policy": self.config.graph_policy().model_dump(mode="json")}
-        result = await self.controller.call("start_swap", "graph_policy", policy.model_dump(mode="json"), previous,
-                                            request.state.operator)  # fmt: skip
+        result = await self.controller.call(
+            "start_swap", "graph_policy", policy.model_dump(mode="json"), previous, request.state.operator
+        )
         return _swap_response(result)
 
     @api.get("/admin/model")
@@ -574,8 +600,10 @@ class Ingress:
             return denied
         raw = request.query_params.get("max_buckets")
         if raw is not None and not (re.fullmatch("[0-9]{1,3}", raw) and 1 <= int(raw) <= MAX_RECOMMENDED_BUCKETS):
-            return JSONResponse({"detail": f"max_buckets must be an integer from 1 to {MAX_RECOMMENDED_BUCKETS}, "
-                                 f"got {raw[:40]!r}"}, status_code=400)  # fmt: skip
+            return JSONResponse(
+                {"detail": f"max_buckets must be an integer from 1 to {MAX_RECOMMENDED_BUCKETS}, got {raw[:40]!r}"},
+                status_code=400,
+            )
         result = await self.controller.call("bucket_recommendation", int(raw) if raw is not None else None)
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])
@@ -595,9 +623,16 @@ class Ingress:
         for rid, status in sorted(statuses.items()):
             for name, slot in ((status.get("lora") or {}).get("adapters") or {}).items():
                 held.setdefault(name, {})[rid] = slot
-        adapters = [{"name": name, "path": path, "source": "config" if name in self.config.lora_modules else "admin",
-                     **{k: v for k, v in self._registered.get(name, {}).items() if k != "path"},
-                     "replicas": held.get(name, {})} for name, path in sorted(paths.items())]  # fmt: skip
+        adapters = [
+            {
+                "name": name,
+                "path": path,
+                "source": "config" if name in self.config.lora_modules else "admin",
+                **{k: v for k, v in self._registered.get(name, {}).items() if k != "path"},
+                "replicas": held.get(name, {}),
+            }
+            for name, path in sorted(paths.items())
+        ]
         return JSONResponse(finite({"lora": self.config.lora.model_dump(), "adapters": adapters}))
 
     @api.post("/admin/lora-adapters")
@@ -607,20 +642,24 @@ class Ingress:
         if denied:
             return denied
         if self.config.lora is None:
-            return JSONResponse({"detail": "LoRA is not enabled: set lora: {max_loras, max_lora_rank} in the "
-                                 "config"}, status_code=400)  # fmt: skip
+            return JSONResponse(
+                {"detail": "LoRA is not enabled: set lora: {max_loras, max_lora_rank} in the config"}, status_code=400
+            )
         adapter = await _admin_body(request, AdapterBody, '{"name", "path"}')
         if isinstance(adapter, JSONResponse):
             return adapter
         if adapter.name == self.model_name:
             return JSONResponse({"detail": f"name: {adapter.name!r} is the served model's name"}, status_code=400)
         if adapter.name in self.config.lora_modules:
-            return JSONResponse({"detail": f"adapter {adapter.name!r} is defined in the config's lora_modules; "
-                                 "change it there"}, status_code=409)  # fmt: skip
+            return JSONResponse(
+                {"detail": f"adapter {adapter.name!r} is defined in the config's lora_modules; change it there"},
+                status_code=409,
+            )
         replicas = self.replicas.options(multiplexed_model_id=adapter.name)
         try:
-            check = await asyncio.wait_for(replicas.check_adapter.remote(adapter.name, adapter.path),
-                                           self.config.engine_start_timeout_s)  # fmt: skip
+            check = await asyncio.wait_for(
+                replicas.check_adapter.remote(adapter.name, adapter.path), self.config.engine_start_timeout_s
+            )
         except TimeoutError:
             return JSONResponse({"detail": "no replica checked the adapter in time; retry"}, status_code=503)
         if "error" in check:
@@ -638,8 +677,10 @@ class Ingress:
         if denied:
             return denied
         if name in self.config.lora_modules:
-            return JSONResponse({"detail": f"adapter {name!r} is defined in the config's lora_modules; remove it "
-                                 "there"}, status_code=409)  # fmt: skip
+            return JSONResponse(
+                {"detail": f"adapter {name!r} is defined in the config's lora_modules; remove it there"},
+                status_code=409,
+            )
         result = await self.controller.call("remove_lora_adapter", name, request.state.operator)
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])

@@ -77,24 +77,31 @@ class _StatusCollector:
             "graphserve_decode_steps", "Decode step model calls", labels=[*STEP_LABELS, "replica"]
         )
         rows = CounterMetricFamily("graphserve_decode_rows", "Sequences decoded", labels=[*STEP_LABELS, "replica"])
-        padding = CounterMetricFamily("graphserve_decode_padding_rows", "Padding rows replayed",
-                                      labels=[*STEP_LABELS, "replica"])  # fmt: skip
-        requests = CounterMetricFamily("graphserve_requests", "Requests by tenant and outcome",
-                                       labels=["tenant", "outcome", "replica"])  # fmt: skip
+        padding = CounterMetricFamily(
+            "graphserve_decode_padding_rows", "Padding rows replayed", labels=[*STEP_LABELS, "replica"]
+        )
+        requests = CounterMetricFamily(
+            "graphserve_requests", "Requests by tenant and outcome", labels=["tenant", "outcome", "replica"]
+        )
         ready = GaugeMetricFamily(
             "graphserve_replica_ready", "1 when the replica's engine is READY", labels=["replica"]
         )
         captured = GaugeMetricFamily(
             "graphserve_graph_buckets_captured", "Decode buckets replaying", labels=["replica"]
         )
-        busy = CounterMetricFamily("graphserve_engine_busy_seconds", "Seconds the engine spent in model steps",
-                                   labels=["phase", "replica"])  # fmt: skip
+        busy = CounterMetricFamily(
+            "graphserve_engine_busy_seconds", "Seconds the engine spent in model steps", labels=["phase", "replica"]
+        )
         pages = GaugeMetricFamily("graphserve_kv_pages", "Pages of the KV pool", labels=["replica"])
         free = GaugeMetricFamily("graphserve_kv_pages_free", "Pages of the KV pool not held", labels=["replica"])
-        preempted = CounterMetricFamily("graphserve_preemptions", "Sequences preempted for KV pages",
-                                        labels=["replica"])  # fmt: skip
-        shadow = CounterMetricFamily("graphserve_shadow_verifications", "Replayed steps recomputed eagerly and "
-                                     "compared", labels=["result", "bucket_id", "replica"])  # fmt: skip
+        preempted = CounterMetricFamily(
+            "graphserve_preemptions", "Sequences preempted for KV pages", labels=["replica"]
+        )
+        shadow = CounterMetricFamily(
+            "graphserve_shadow_verifications",
+            "Replayed steps recomputed eagerly and compared",
+            labels=["result", "bucket_id", "replica"],
+        )
         yield from self._lora()
         for replica, status in self.statuses.items():
             for check in status.get("stats", {}).get("shadow", {}).get("by_bucket", []):
@@ -127,12 +134,13 @@ class _StatusCollector:
     def _lora(self):
         """Adapters per replica. The `adapter` label takes only names an operator registered (a
         request naming another is refused before it reaches a replica), so it stays bounded."""
-        slots = GaugeMetricFamily("graphserve_lora_adapters_loaded", "Adapters held in LoRA slots",
-                                  labels=["replica"])  # fmt: skip
-        loads = CounterMetricFamily("graphserve_lora_adapter_loads", "Adapters loaded into a slot, or refused",
-                                    labels=["result", "replica"])  # fmt: skip
-        tokens = CounterMetricFamily("graphserve_lora_generated_tokens", "Tokens generated with an adapter",
-                                     labels=["adapter", "replica"])  # fmt: skip
+        slots = GaugeMetricFamily("graphserve_lora_adapters_loaded", "Adapters held in LoRA slots", labels=["replica"])
+        loads = CounterMetricFamily(
+            "graphserve_lora_adapter_loads", "Adapters loaded into a slot, or refused", labels=["result", "replica"]
+        )
+        tokens = CounterMetricFamily(
+            "graphserve_lora_generated_tokens", "Tokens generated with an adapter", labels=["adapter", "replica"]
+        )
         for replica, status in self.statuses.items():
             lora, stats = status.get("lora"), status.get("stats", {}).get("lora", {})
             if lora is None:
@@ -158,8 +166,9 @@ class _RolloutCollector:
         )
         percent.add_metric([], 100.0 if r is None else r["percent"])
         phase = GaugeMetricFamily("graphserve_rollout_phase", "1 for the current rollout's phase", labels=["phase"])
-        failures = CounterMetricFamily("graphserve_rollout_guard_failures", "Failed guard evaluations of the "
-                                       "current rollout", labels=["guard"])  # fmt: skip
+        failures = CounterMetricFamily(
+            "graphserve_rollout_guard_failures", "Failed guard evaluations of the current rollout", labels=["guard"]
+        )
         if r is not None:
             for name in self.PHASES:
                 phase.add_metric([name], 1.0 if r["phase"] == name else 0.0)

@@ -42,9 +42,14 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error JSON (also the last event of a stream that failed)."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 405: "invalid_request_error",
-            503: "service_unavailable"}.get(status, "server_error")  # fmt: skip
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
@@ -117,11 +122,19 @@ class SamplingFields(BaseModel):
     def sampling(self) -> dict[str, Any]:
         """Sampling fields for the replica; max_tokens None = the endpoint's default, which the
         replica fits to the room the prompt leaves."""
-        return dict(max_tokens=self.max_tokens, temperature=self.temperature,
-                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
-                    ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                    logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()))  # fmt: skip
+        return dict(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
+        )
 
 
 class CompletionRequest(SamplingFields):
@@ -196,8 +209,10 @@ class ChatRequest(SamplingFields):
     @classmethod
     def _text_format(cls, v: Any) -> Any:
         if isinstance(v, dict) and v.get("type") != "text":
-            raise ValueError(f"response_format {v.get('type')!r} is not supported (it needs constrained decoding); "
-                             'only {"type": "text"}')  # fmt: skip
+            raise ValueError(
+                f"response_format {v.get('type')!r} is not supported (it needs constrained decoding); "
+                'only {"type": "text"}'
+            )
         return v
 
     @field_validator("top_logprobs")
@@ -215,8 +230,11 @@ class ChatRequest(SamplingFields):
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 @dataclass
@@ -299,13 +317,23 @@ class ResponseShape:
         if not self.logprobs:
             return None
         if self.chat:
-            content = [{"token": t["token"], "logprob": t["logprob"], "bytes": _token_bytes(t["token"]),
-                        "top_logprobs": [{"token": a, "logprob": lp, "bytes": _token_bytes(a)} for a, lp in t["top"]]}
-                       for t in tokens]  # fmt: skip
+            content = [
+                {
+                    "token": t["token"],
+                    "logprob": t["logprob"],
+                    "bytes": _token_bytes(t["token"]),
+                    "top_logprobs": [{"token": a, "logprob": lp, "bytes": _token_bytes(a)} for a, lp in t["top"]],
+                }
+                for t in tokens
+            ]
             return {"content": content, "refusal": None}
         offsets = []
         for t in tokens:
             offsets.append(self._text_offset[index])
             self._text_offset[index] += len(t["token"])
-        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-                "top_logprobs": [_by_token(t["top"]) for t in tokens], "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": [t["token"] for t in tokens],
+            "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [_by_token(t["top"]) for t in tokens],
+            "text_offset": offsets,
+        }

@@ -71,7 +71,8 @@ class ReadinessView:
         self._failing = False
         now = self.clock()
         self._missing_since = {r: self._missing_since.get(r, now) for r in self._ready if r not in fresh}
-        self._ready = {r: ready for r, ready in self._ready.items()
-                       if now - self._missing_since.get(r, now) < self.grace_s}  # fmt: skip
+        self._ready = {
+            r: ready for r, ready in self._ready.items() if now - self._missing_since.get(r, now) < self.grace_s
+        }
         self._ready.update({r: s.get("state") in SERVING_STATES for r, s in fresh.items()})
         self._fetched_at = now

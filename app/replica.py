@@ -218,8 +218,12 @@ class LLMReplica:
         rule = permissions["rollout"]
         self.cohort_rule = CohortRule.model_validate(rule) if rule else None
         order = permissions.get("swap")
-        if (order and self.replica_id in order["now"] and (self.swap_progress or {}).get("id") != order["id"]
-                and (self._swap_task is None or self._swap_task.done())):  # fmt: skip
+        if (
+            order
+            and self.replica_id in order["now"]
+            and (self.swap_progress or {}).get("id") != order["id"]
+            and (self._swap_task is None or self._swap_task.done())
+        ):
             self._swap_task = asyncio.create_task(self._swap(order))
         for request_id, tenant in list(self.tenant_of.items()) if not self.draining else ():  # draining: rebuilding
             denial = self._denial(tenant, request_id)
@@ -233,8 +237,11 @@ class LLMReplica:
             await self._sync_toggles()
         except Exception as e:
             if not self._controller_down:
-                log.warning("replica %s: controller unreachable (%r); keeping the last tenant toggles until it "
-                            "answers", self.replica_id, e)  # fmt: skip
+                log.warning(
+                    "replica %s: controller unreachable (%r); keeping the last tenant toggles until it answers",
+                    self.replica_id,
+                    e,
+                )
             self._controller_down = True
             return
         if self._controller_down:
@@ -314,8 +321,12 @@ class LLMReplica:
         while self.tenant_of and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for request_id in list(self.tenant_of):
-            log.warning("replica %s: request %s still running after the %g s drain; ending it", self.replica_id,
-                        request_id, timeout_s)  # fmt: skip
+            log.warning(
+                "replica %s: request %s still running after the %g s drain; ending it",
+                self.replica_id,
+                request_id,
+                timeout_s,
+            )
             self.engine.cancel(request_id)
         while self.tenant_of:  # their streams end at the engine's next step
             await asyncio.sleep(0.02)
@@ -361,8 +372,9 @@ class LLMReplica:
                 max_tokens = fit_max_tokens(
                     request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status.max_model_len
                 )
-                sampling["max_tokens"] = fit_choices(n, max_tokens, sampling["max_tokens"] is not None,
-                                                     len(prompt_ids), self.engine_status.kv_cache)  # fmt: skip
+                sampling["max_tokens"] = fit_choices(
+                    n, max_tokens, sampling["max_tokens"] is not None, len(prompt_ids), self.engine_status.kv_cache
+                )
                 resume = continuation(request, n)
                 if resume is not None:
                     sampling["seed"] = request["resume"]["seed"]
@@ -410,13 +422,18 @@ class LLMReplica:
                         if first_at is not None and event.completion_tokens > 1:
                             self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
                     if event.finish_reason == "abort" and self.draining:  # ended by a swap's drain timeout
-                        yield {"error": "the model is being swapped and this request ran past the drain timeout; "
-                               "retry it", "status": 503}  # fmt: skip
+                        yield {
+                            "error": "the model is being swapped and this request ran past the drain timeout; retry it",
+                            "status": 503,
+                        }
             except (EngineDeadError, RequestFailed) as e:
                 outcome = "engine_failed"
                 log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)
-                yield {"error": "the engine failed while generating this completion; retry the request",
-                       "status": 503, **self._retry(e)}  # fmt: skip
+                yield {
+                    "error": "the engine failed while generating this completion; retry the request",
+                    "status": 503,
+                    **self._retry(e),
+                }
         finally:
             for choice_id in choice_ids:
                 self.tenant_of.pop(choice_id, None)
@@ -530,8 +547,10 @@ def logprob_items(tokenizer, event: StreamEvent) -> list[dict]:
     logprobs = event.logprobs or []
     ids = [t for token, lp in zip(event.token_ids, logprobs) for t in (token, *(a for a, _ in lp.top))]
     texts = iter(tokenizer.batch_decode([[t] for t in ids]))
-    return [{"token": next(texts), "logprob": lp.logprob, "top": [(next(texts), value) for _, value in lp.top]}
-            for lp in logprobs]  # fmt: skip
+    return [
+        {"token": next(texts), "logprob": lp.logprob, "top": [(next(texts), value) for _, value in lp.top]}
+        for lp in logprobs
+    ]
 
 
 def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: dict) -> int:
@@ -542,9 +561,11 @@ def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_
     if max_tokens <= room:
         return max_tokens
     if explicit or room < 1:
-        raise InvalidRequest(f"n={n} choices of the prompt's {prompt_tokens} tokens plus max_tokens={max_tokens} "
-                             f"do not fit this replica's KV cache ({kv_cache['pages'] * kv_cache['page_size']} "
-                             "tokens); ask for fewer choices or tokens")  # fmt: skip
+        raise InvalidRequest(
+            f"n={n} choices of the prompt's {prompt_tokens} tokens plus max_tokens={max_tokens} "
+            f"do not fit this replica's KV cache ({kv_cache['pages'] * kv_cache['page_size']} "
+            "tokens); ask for fewer choices or tokens"
+        )
     return room
 
 
@@ -571,5 +592,10 @@ def make_engine(config: AppConfig) -> Engine:
         budget = RestartBudget(config.engine_max_restarts, config.engine_restart_window_s)
         return LocalEngine(engine_config(config), budget, config.engine_timeout_s, config.engine_start_timeout_s)
     gpu = config.accelerator == "gpu" or (config.accelerator == "auto" and torch.cuda.is_available())
-    return ShardGroup(engine_config(config), config.tensor_parallel_size, num_gpus=1 if gpu else 0,
-                      num_cpus=config.shard_num_cpus, timeout_s=config.collective_timeout_s)  # fmt: skip
+    return ShardGroup(
+        engine_config(config),
+        config.tensor_parallel_size,
+        num_gpus=1 if gpu else 0,
+        num_cpus=config.shard_num_cpus,
+        timeout_s=config.collective_timeout_s,
+    )

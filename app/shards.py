@@ -44,8 +44,12 @@ def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
     """Whether `new` only names another checkpoint of the same shapes (its weights load in place)."""
     if old.model is None or new.model is None:
         return False
-    same_settings = dataclasses.replace(new, model=old.model, model_revision=old.model_revision,
-                                        gate_prompts_file=old.gate_prompts_file) == old  # fmt: skip
+    same_settings = (
+        dataclasses.replace(
+            new, model=old.model, model_revision=old.model_revision, gate_prompts_file=old.gate_prompts_file
+        )
+        == old
+    )
     return same_settings and same_shapes(Path(old.model), Path(new.model))
 
 

@@ -28,8 +28,9 @@ def start_once(config: str, max_model_len: int, cache_dir: str) -> dict:
     t0 = time.perf_counter()
     model = random_model(config, max_model_len, "cuda")
     policy = GraphPolicy(compile=True, decode_batch_buckets=BUCKETS)
-    config = EngineConfig(max_num_seqs=max(BUCKETS), max_model_len=max_model_len, graph_policy=policy,
-                          compile_cache_dir=cache_dir)  # fmt: skip
+    config = EngineConfig(
+        max_num_seqs=max(BUCKETS), max_model_len=max_model_len, graph_policy=policy, compile_cache_dir=cache_dir
+    )
     engine = LLMEngine(model, config)
     compiled = [b for b, r in engine.status().buckets.items() if r["compiled"]]
     return dict(compile_s=engine.runner.compile_s, startup_s=time.perf_counter() - t0, compiled_buckets=compiled)
@@ -48,8 +49,16 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory() as cache_dir:
         for name in ("cold", "warm"):
-            cmd = [sys.executable, __file__, "--config", args.config, "--max-model-len", str(args.max_model_len),
-                   "--child", cache_dir]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--config",
+                args.config,
+                "--max-model-len",
+                str(args.max_model_len),
+                "--child",
+                cache_dir,
+            ]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[name] = json.loads(out.strip().splitlines()[-1])
             print(name, runs[name], flush=True)

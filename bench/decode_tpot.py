@@ -62,8 +62,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def make_engine(model, mode: str, compile: bool, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> LLMEngine:
     policy = GraphPolicy(mode=mode, compile=compile, decode_batch_buckets=buckets)
-    config = EngineConfig(max_num_seqs=max(policy.decode_batch_buckets), max_model_len=model.max_model_len,
-                          graph_policy=policy)  # fmt: skip
+    config = EngineConfig(
+        max_num_seqs=max(policy.decode_batch_buckets), max_model_len=model.max_model_len, graph_policy=policy
+    )
     return LLMEngine(model, config)
 
 
@@ -100,8 +101,10 @@ def seeded_decode_batch(engine: LLMEngine, batch_size: int, context: int, max_to
     g = torch.Generator().manual_seed(batch_size + context)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     vocab = engine.model.cfg.vocab_size
-    seqs = [engine.add_request(torch.randint(0, vocab, (context - 1,), generator=g).tolist(), params)
-            for _ in range(batch_size)]  # fmt: skip
+    seqs = [
+        engine.add_request(torch.randint(0, vocab, (context - 1,), generator=g).tolist(), params)
+        for _ in range(batch_size)
+    ]
     while engine.scheduler.waiting:
         assert engine.scheduler.admit(), "the KV pool cannot hold this batch"
     engine.cache.set_pages(engine.scheduler.take_edits())
@@ -125,13 +128,24 @@ def long_context(args: argparse.Namespace, bandwidth: float) -> dict:
             for mode, compiled in [("eager", False), ("full", False), ("full", True)]:
                 t0 = time.perf_counter()
                 policy = GraphPolicy(mode=mode, compile=compiled, decode_batch_buckets=buckets)
-                engine = LLMEngine(model, EngineConfig(max_num_seqs=max(buckets), max_model_len=max_model_len,
-                                                       graph_policy=policy))  # fmt: skip
+                engine = LLMEngine(
+                    model, EngineConfig(max_num_seqs=max(buckets), max_model_len=max_model_len, graph_policy=policy)
+                )
                 status = engine.status()
-                engines.append(dict(config=name, max_model_len=max_model_len, mode=mode, compile=compiled,
-                                    startup_s=time.perf_counter() - t0, compile_s=engine.runner.compile_s,
-                                    attention_backend=status.attention_backend, memory_mb=status.memory_mb,
-                                    kv_cache=status.kv_cache, buckets=status.buckets))  # fmt: skip
+                engines.append(
+                    dict(
+                        config=name,
+                        max_model_len=max_model_len,
+                        mode=mode,
+                        compile=compiled,
+                        startup_s=time.perf_counter() - t0,
+                        compile_s=engine.runner.compile_s,
+                        attention_backend=status.attention_backend,
+                        memory_mb=status.memory_mb,
+                        kv_cache=status.kv_cache,
+                        buckets=status.buckets,
+                    )
+                )
                 print({k: v for k, v in engines[-1].items() if k != "buckets"}, flush=True)
                 capacity = engine.scheduler.blocks.capacity_tokens
                 for context in args.context:
@@ -141,11 +155,20 @@ def long_context(args: argparse.Namespace, bandwidth: float) -> dict:
                             continue
                         times = long_context_tpot(engine, bs, context, args.steps, args.warmup)
                         live_kv = bs * context * engine.model.kv_bytes_per_token()
-                        rows.append(dict(config=name, max_model_len=max_model_len, context_len=context,
-                                         batch_size=bs, mode=mode, compile=compiled,
-                                         tpot_ms_median=statistics.median(times), tpot_ms_p99=percentile(times, 0.99),
-                                         floor_ms=(cfg.weight_bytes() + live_kv) / bandwidth * 1e3,
-                                         tokens_per_s=bs / statistics.median(times) * 1e3))  # fmt: skip
+                        rows.append(
+                            dict(
+                                config=name,
+                                max_model_len=max_model_len,
+                                context_len=context,
+                                batch_size=bs,
+                                mode=mode,
+                                compile=compiled,
+                                tpot_ms_median=statistics.median(times),
+                                tpot_ms_p99=percentile(times, 0.99),
+                                floor_ms=(cfg.weight_bytes() + live_kv) / bandwidth * 1e3,
+                                tokens_per_s=bs / statistics.median(times) * 1e3,
+                            )
+                        )
                         print(rows[-1], flush=True)
                 del engine
                 torch.cuda.empty_cache()
@@ -163,18 +186,23 @@ def long_context_markdown(meta: dict, rows: list[dict]) -> str:
     ]
     lengths = sorted({r["max_model_len"] for r in rows})
     head = " | ".join(f"mml {m} (ms)" for m in lengths)
-    lines += [f"| config | mode | context | bs | {head} | ratio | p99 at {lengths[-1]} | floor (ms) | x floor |",
-              "|---|---|---|---|" + "---|" * (len(lengths) + 4)]  # fmt: skip
-    keyed = {(r["config"], r["mode"], r["compile"], r["context_len"], r["batch_size"], r["max_model_len"]): r
-             for r in rows}  # fmt: skip
+    lines += [
+        f"| config | mode | context | bs | {head} | ratio | p99 at {lengths[-1]} | floor (ms) | x floor |",
+        "|---|---|---|---|" + "---|" * (len(lengths) + 4),
+    ]
+    keyed = {
+        (r["config"], r["mode"], r["compile"], r["context_len"], r["batch_size"], r["max_model_len"]): r for r in rows
+    }
     for key in sorted({k[:5] for k in keyed}, key=lambda k: (k[0], k[1], k[2], k[3], k[4])):
         got = [keyed.get((*key, m)) for m in lengths]
         last = got[-1] or next(r for r in got if r)
         cells = " | ".join(f"{r['tpot_ms_median']:.3f}" if r else "-" for r in got)
         ratio = f"{got[-1]['tpot_ms_median'] / got[0]['tpot_ms_median']:.2f}" if got[0] and got[-1] else "-"
         mode = key[1] + (" +compile" if key[2] else "")
-        lines.append(f"| {key[0]} | {mode} | {key[3]} | {key[4]} | {cells} | {ratio} | {last['tpot_ms_p99']:.3f} | "
-                     f"{last['floor_ms']:.3f} | {last['tpot_ms_median'] / last['floor_ms']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {key[0]} | {mode} | {key[3]} | {key[4]} | {cells} | {ratio} | {last['tpot_ms_p99']:.3f} | "
+            f"{last['floor_ms']:.3f} | {last['tpot_ms_median'] / last['floor_ms']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -217,8 +245,14 @@ def hf_eager_tpot(name: str, batch_size: int, steps: int) -> float:
     def run(new: int) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                    do_sample=False, pad_token_id=0)  # fmt: skip
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -244,8 +278,12 @@ def main() -> None:
 
     bandwidth = copy_bandwidth()
     if args.max_model_len:
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    copy_bandwidth_tb_s=bandwidth / 1e12, steps=args.steps)  # fmt: skip
+        meta = dict(
+            device=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            copy_bandwidth_tb_s=bandwidth / 1e12,
+            steps=args.steps,
+        )
         result = {"meta": meta, **long_context(args, bandwidth)}
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(long_context_markdown(meta, result["rows"]))
@@ -253,8 +291,17 @@ def main() -> None:
     rows, captures, breakdowns = [], [], []
 
     def record(name, mode, bs, times, floor_ms, **extra):
-        rows.append(dict(config=name, mode=mode, batch_size=bs, tpot_ms_median=statistics.median(times),
-                         tpot_ms_p99=percentile(times, 0.99), floor_ms=floor_ms, **extra))  # fmt: skip
+        rows.append(
+            dict(
+                config=name,
+                mode=mode,
+                batch_size=bs,
+                tpot_ms_median=statistics.median(times),
+                tpot_ms_p99=percentile(times, 0.99),
+                floor_ms=floor_ms,
+                **extra,
+            )
+        )
         print(rows[-1], flush=True)
 
     for name in args.configs:
@@ -268,10 +315,18 @@ def main() -> None:
             t0 = time.perf_counter()
             engine = make_engine(model, mode, compiled, tuple(sorted(set(args.batch_sizes))))
             runner = engine.runner
-            captures.append(dict(config=name, mode=mode, compile=compiled, startup_s=time.perf_counter() - t0,
-                                 compile_s=runner.compile_s, buckets=runner.report(),
-                                 capture_s_total=sum(r.capture_s for r in runner.records.values()),
-                                 memory_mb_total=sum(r.memory_mb for r in runner.records.values())))  # fmt: skip
+            captures.append(
+                dict(
+                    config=name,
+                    mode=mode,
+                    compile=compiled,
+                    startup_s=time.perf_counter() - t0,
+                    compile_s=runner.compile_s,
+                    buckets=runner.report(),
+                    capture_s_total=sum(r.capture_s for r in runner.records.values()),
+                    memory_mb_total=sum(r.memory_mb for r in runner.records.values()),
+                )
+            )
             print({k: v for k, v in captures[-1].items() if k != "buckets"}, flush=True)
             extra = {"compile": compiled} if mode == "full" else {}
             for bs in args.batch_sizes:
@@ -281,8 +336,15 @@ def main() -> None:
                 print(breakdowns[-1], flush=True)
             if mode == "full" and not compiled:
                 # The cost of a per-request graph denial: one of 8 rows eager beside a replay of 7.
-                record(name, mode, 8, engine_tpot(engine, 8, args.steps, args.warmup, denied=1), floor_ms,
-                       denied_rows=1, **extra)  # fmt: skip
+                record(
+                    name,
+                    mode,
+                    8,
+                    engine_tpot(engine, 8, args.steps, args.warmup, denied=1),
+                    floor_ms,
+                    denied_rows=1,
+                    **extra,
+                )
             del engine, runner
             torch.cuda.empty_cache()
         del model
@@ -290,11 +352,24 @@ def main() -> None:
         if args.hf:
             for bs in args.batch_sizes:
                 ms = hf_eager_tpot(name, bs, 64)
-                rows.append(dict(config=name, mode="hf_eager", batch_size=bs, tpot_ms_median=ms, tpot_ms_p99=None,
-                                 floor_ms=floor_ms))  # fmt: skip
+                rows.append(
+                    dict(
+                        config=name,
+                        mode="hf_eager",
+                        batch_size=bs,
+                        tpot_ms_median=ms,
+                        tpot_ms_p99=None,
+                        floor_ms=floor_ms,
+                    )
+                )
                 print(rows[-1], flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_tb_s=bandwidth / 1e12,
-                prompt_len=PROMPT_LEN, steps=args.steps)  # fmt: skip
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        copy_bandwidth_tb_s=bandwidth / 1e12,
+        prompt_len=PROMPT_LEN,
+        steps=args.steps,
+    )
     result = {"meta": meta, "rows": rows, "captures": captures, "step_breakdown_bs1": breakdowns}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(markdown(meta, rows))

@@ -44,8 +44,14 @@ def engine_pids() -> set[int]:
 
 async def stream(http: httpx.AsyncClient, model: str, max_tokens: int, had_text: asyncio.Event) -> str:
     """How one stream ended: "complete", "error_event" (an error event, then [DONE]) or "cut"."""
-    body = {"model": model, "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": "Hello",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     events: list[str] = []
     try:
         async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -128,9 +134,12 @@ def main() -> None:
     from app import deployment
 
     tmp = Path(tempfile.mkdtemp())
-    app_args = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-                "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-                "controller_state_path": str(tmp / "state.json")}  # fmt: skip
+    app_args = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+        "controller_state_path": str(tmp / "state.json"),
+    }
     if args.config != "tiny":
         from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
 
@@ -140,8 +149,9 @@ def main() -> None:
     os.environ.pop("GRAPHSERVE_API_KEYS", None)
     os.environ["GRAPHSERVE_ADMIN_TOKEN"] = "bench-admin"
     os.environ["GRAPHSERVE_CACHE"] = str(tmp / "cache")
-    ray.init(num_cpus=4 if args.config == "tiny" else 8, num_gpus=0 if args.config == "tiny" else 1,
-             include_dashboard=False)  # fmt: skip
+    ray.init(
+        num_cpus=4 if args.config == "tiny" else 8, num_gpus=0 if args.config == "tiny" else 1, include_dashboard=False
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     t0 = time.monotonic()
     serve.run(deployment(app_args), blocking=False)
@@ -153,8 +163,14 @@ def main() -> None:
     result = asyncio.run(measure(model, args.streams, args.max_num_seqs, args.max_tokens))
     serve.shutdown()
     ray.shutdown()
-    meta = {"config": args.config, "max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
-            "max_model_len": args.max_model_len, "serve_run_s": start_s, "captured_buckets": captured}  # fmt: skip
+    meta = {
+        "config": args.config,
+        "max_num_seqs": args.max_num_seqs,
+        "max_tokens": args.max_tokens,
+        "max_model_len": args.max_model_len,
+        "serve_run_s": start_s,
+        "captured_buckets": captured,
+    }
     if args.config != "tiny":
         import torch
 

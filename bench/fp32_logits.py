@@ -53,8 +53,11 @@ def main() -> None:
             rows.append(dict(shape=name, batch_size=bs, bf16_ms=bf16, fp32_ms=fp32, ratio=fp32 / bf16))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, replays=args.replays)
     lines = ["| shape | bs | bf16 logits | fp32 logits | ratio |", "|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['batch_size']} | {r['bf16_ms'] * 1e3:.1f} us | {r['fp32_ms'] * 1e3:.1f} us | "
-              f"{r['ratio']:.3f}x |" for r in rows]  # fmt: skip
+    lines += [
+        f"| {r['shape']} | {r['batch_size']} | {r['bf16_ms'] * 1e3:.1f} us | {r['fp32_ms'] * 1e3:.1f} us | "
+        f"{r['ratio']:.3f}x |"
+        for r in rows
+    ]
     write_report(args.out, {"meta": meta, "rows": rows}, "\n".join(lines))
 
 

@@ -21,8 +21,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.decode_tpot import long_context_markdown  # noqa: E402
 
-FIELDS = ("config", "max_model_len", "context_len", "batch_size", "mode", "compile", "tpot_ms_median",
-          "tpot_ms_p99", "floor_ms", "tokens_per_s")  # fmt: skip
+FIELDS = (
+    "config",
+    "max_model_len",
+    "context_len",
+    "batch_size",
+    "mode",
+    "compile",
+    "tpot_ms_median",
+    "tpot_ms_p99",
+    "floor_ms",
+    "tokens_per_s",
+)
 
 
 def plot(rows: list[dict], dst: Path) -> None:
@@ -33,8 +43,11 @@ def plot(rows: list[dict], dst: Path) -> None:
         mine = [r for r in rows if r["config"] == config and r["context_len"] == 256]
         for mode, compiled in (("eager", False), ("full", False), ("full", True)):
             for mml, style in ((512, "--"), (8192, "-")):
-                pts = sorted((r["batch_size"], r["tpot_ms_median"]) for r in mine
-                             if (r["mode"], r["compile"], r["max_model_len"]) == (mode, compiled, mml))  # fmt: skip
+                pts = sorted(
+                    (r["batch_size"], r["tpot_ms_median"])
+                    for r in mine
+                    if (r["mode"], r["compile"], r["max_model_len"]) == (mode, compiled, mml)
+                )
                 label = f"{mode}{' +compile' if compiled else ''}, max_model_len {mml}"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
         floor = sorted({(r["batch_size"], r["floor_ms"]) for r in mine if r["max_model_len"] == 8192})
@@ -60,8 +73,11 @@ def main() -> None:
     meta = dict(runs[0]["meta"], sources=[Path(p).name for p in args.runs])
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "engines": engines}, indent=1))
-    md = [f"# Decode TPOT at long max_model_len, short live contexts ({', '.join(meta['sources'])})", "",
-          long_context_markdown(meta, rows)]  # fmt: skip
+    md = [
+        f"# Decode TPOT at long max_model_len, short live contexts ({', '.join(meta['sources'])})",
+        "",
+        long_context_markdown(meta, rows),
+    ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     plot(rows, out.with_suffix(".png"))
 

@@ -40,8 +40,13 @@ KINDS = ("base", "lora_engine_no_adapter", "lora_graphs_no_adapter", "adapters_1
 
 def make_engine(model, buckets: tuple[int, ...], lora: LoraLimits | None, compile: bool) -> LLMEngine:
     policy = GraphPolicy(decode_batch_buckets=buckets, compile=compile)
-    config = EngineConfig(max_num_seqs=max(buckets), max_model_len=model.max_model_len, graph_policy=policy,
-                          kv_cache_tokens=2 * max(buckets) * (CONTEXT + 1024), lora=lora)  # fmt: skip
+    config = EngineConfig(
+        max_num_seqs=max(buckets),
+        max_model_len=model.max_model_len,
+        graph_policy=policy,
+        kv_cache_tokens=2 * max(buckets) * (CONTEXT + 1024),
+        lora=lora,
+    )
     return LLMEngine(model, config)
 
 
@@ -57,8 +62,9 @@ def turn(engine: LLMEngine, batch_size: int, rows: list, steps: int, force_lora_
     g = torch.Generator().manual_seed(batch_size)
     vocab = engine.model.cfg.vocab_size
     params = SamplingParams(max_tokens=steps + 20, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(torch.randint(0, vocab, (CONTEXT,), generator=g).tolist(), params, adapter=a)
-            for a in rows]  # fmt: skip
+    seqs = [
+        engine.add_request(torch.randint(0, vocab, (CONTEXT,), generator=g).tolist(), params, adapter=a) for a in rows
+    ]
     engine.step()  # prefill and the first decode
     runners = engine.runners
     if force_lora_graphs:  # every call through the LoRA graphs, rows naming the null slot
@@ -83,8 +89,12 @@ def load_times(engine: LLMEngine, adapters: list[tuple[str, str]], repeats: int)
         torch.cuda.synchronize()
         whole.append((time.perf_counter() - start) * 1e3)
         copies.append((engine.stats.adapter_load_s - before) * 1e3)
-    return {"copy_ms_median": statistics.median(copies), "copy_ms_max": max(copies),
-            "whole_ms_median": statistics.median(whole), "whole_ms_max": max(whole)}  # fmt: skip
+    return {
+        "copy_ms_median": statistics.median(copies),
+        "copy_ms_max": max(copies),
+        "whole_ms_median": statistics.median(whole),
+        "whole_ms_max": max(whole),
+    }
 
 
 def main() -> None:
@@ -102,8 +112,10 @@ def main() -> None:
     model = random_model(args.config, MAX_MODEL_LEN, "cuda")  # its own: slots of A go under its weights
     lora = make_engine(model, buckets, LoraLimits(MAX_LORAS, args.max_lora_rank), args.compile)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
-    adapters = [(f"a{i}", str(write_random_adapter(tmp / f"a{i}", model.cfg, RANK, seed=i, device="cuda")))
-                for i in range(MAX_LORAS)]  # fmt: skip
+    adapters = [
+        (f"a{i}", str(write_random_adapter(tmp / f"a{i}", model.cfg, RANK, seed=i, device="cuda")))
+        for i in range(MAX_LORAS)
+    ]
     times: dict[tuple[str, int], list[float]] = {}
     for bs in args.batch_sizes:
         for _ in range(args.rounds):
@@ -117,16 +129,35 @@ def main() -> None:
     rows = []
     for (kind, bs), ms in sorted(times.items(), key=lambda kv: (kv[0][1], KINDS.index(kv[0][0]))):
         base_ms = statistics.median(times[("base", bs)])
-        rows.append(dict(kind=kind, batch_size=bs, steps=len(ms), tpot_ms_median=statistics.median(ms),
-                         tpot_ms_p99=percentile(ms, 0.99), ratio_to_base=statistics.median(ms) / base_ms))  # fmt: skip
+        rows.append(
+            dict(
+                kind=kind,
+                batch_size=bs,
+                steps=len(ms),
+                tpot_ms_median=statistics.median(ms),
+                tpot_ms_p99=percentile(ms, 0.99),
+                ratio_to_base=statistics.median(ms) / base_ms,
+            )
+        )
     status = lora.status()
-    memory = {"base_graphs_mb": base.status().memory_mb["graphs"], "lora_engine_graphs_mb": status.memory_mb["graphs"],
-              "lora_slots_mb": status.memory_mb["lora"],
-              "lora_graphs_mb": lora.runners.lora.graph_memory_mb()}  # fmt: skip
+    memory = {
+        "base_graphs_mb": base.status().memory_mb["graphs"],
+        "lora_engine_graphs_mb": status.memory_mb["graphs"],
+        "lora_slots_mb": status.memory_mb["lora"],
+        "lora_graphs_mb": lora.runners.lora.graph_memory_mb(),
+    }
     loads = load_times(lora, adapters, repeats=8)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config=args.config, context=CONTEXT,
-                rank=RANK, max_lora_rank=args.max_lora_rank, max_loras=MAX_LORAS, compile=args.compile,
-                rounds=args.rounds)  # fmt: skip
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        config=args.config,
+        context=CONTEXT,
+        rank=RANK,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=MAX_LORAS,
+        compile=args.compile,
+        rounds=args.rounds,
+    )
     write_report(
         args.out, {"meta": meta, "rows": rows, "memory": memory, "loads": loads}, markdown(rows, memory, loads)
     )
@@ -138,12 +169,15 @@ def markdown(rows: list[dict], memory: dict, loads: dict) -> str:
     for bs in sorted({r["batch_size"] for r in rows}):
         cells = [f"{keyed[(k, bs)]['tpot_ms_median']:.2f} ms ({keyed[(k, bs)]['ratio_to_base']:.3f}x)" for k in KINDS]
         lines.append(f"| {bs} | " + " | ".join(cells) + " |")
-    lines += ["", f"Memory: LoRA slots {memory['lora_slots_mb']:.0f} MB; graphs: base engine "
-              f"{memory['base_graphs_mb']:.0f} MB, LoRA engine {memory['lora_engine_graphs_mb']:.0f} MB (of which "
-              f"LoRA graphs {memory['lora_graphs_mb']:.0f} MB).",
-              f"Adapter load (rank {RANK}): copy into a slot median {loads['copy_ms_median']:.1f} ms (max "
-              f"{loads['copy_ms_max']:.1f}); with the disk read and verification median {loads['whole_ms_median']:.1f}"
-              f" ms (max {loads['whole_ms_max']:.1f})."]  # fmt: skip
+    lines += [
+        "",
+        f"Memory: LoRA slots {memory['lora_slots_mb']:.0f} MB; graphs: base engine "
+        f"{memory['base_graphs_mb']:.0f} MB, LoRA engine {memory['lora_engine_graphs_mb']:.0f} MB (of which "
+        f"LoRA graphs {memory['lora_graphs_mb']:.0f} MB).",
+        f"Adapter load (rank {RANK}): copy into a slot median {loads['copy_ms_median']:.1f} ms (max "
+        f"{loads['copy_ms_max']:.1f}); with the disk read and verification median {loads['whole_ms_median']:.1f}"
+        f" ms (max {loads['whole_ms_max']:.1f}).",
+    ]
     return "\n".join(lines)
 
 

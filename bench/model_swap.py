@@ -51,8 +51,14 @@ def measure(name: str, root: Path) -> dict:
             )
         )
     policy = GraphPolicy(decode_batch_buckets=BUCKETS, compile=False)
-    config = EngineConfig(model=str(paths["a"]), max_num_seqs=max(BUCKETS), max_model_len=4096, device="cuda",
-                          kv_cache_tokens=max(BUCKETS) * 4096, graph_policy=policy)  # fmt: skip
+    config = EngineConfig(
+        model=str(paths["a"]),
+        max_num_seqs=max(BUCKETS),
+        max_model_len=4096,
+        device="cuda",
+        kv_cache_tokens=max(BUCKETS) * 4096,
+        graph_policy=policy,
+    )
     (engine, _), cold_s = timed(lambda: LLMEngine.from_config(config))
     swapped = dataclasses.replace(config, model=str(paths["b"]))
     (_, report), in_place_s = timed(lambda live=engine: swap_weights_in_place(live, swapped))
@@ -65,9 +71,17 @@ def measure(name: str, root: Path) -> dict:
         return fresh, run_gate(fresh, fresh_tokenizer, None)
 
     (engine, rebuild_report), rebuild_s = timed(rebuild)
-    row = dict(config=name, buckets=len(BUCKETS), checkpoint_write_s=write_s, cold_start_s=cold_s,
-               in_place_swap_s=in_place_s, in_place_gate_s=report["seconds"], rebuild_s=rebuild_s,
-               rebuild_gate_s=rebuild_report["seconds"], in_place_vs_cold=in_place_s / cold_s)  # fmt: skip
+    row = dict(
+        config=name,
+        buckets=len(BUCKETS),
+        checkpoint_write_s=write_s,
+        cold_start_s=cold_s,
+        in_place_swap_s=in_place_s,
+        in_place_gate_s=report["seconds"],
+        rebuild_s=rebuild_s,
+        rebuild_gate_s=rebuild_report["seconds"],
+        in_place_vs_cold=in_place_s / cold_s,
+    )
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -75,10 +89,15 @@ def measure(name: str, root: Path) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| config | cold start (s) | in-place swap (s) | of which gate (s) | rebuild (s) | in-place / cold |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['config']} | {r['cold_start_s']:.2f} | {r['in_place_swap_s']:.2f} | {r['in_place_gate_s']:.2f} "
-              f"| {r['rebuild_s']:.2f} | {r['in_place_vs_cold']:.2f} |" for r in rows]  # fmt: skip
+    lines = [
+        "| config | cold start (s) | in-place swap (s) | of which gate (s) | rebuild (s) | in-place / cold |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['config']} | {r['cold_start_s']:.2f} | {r['in_place_swap_s']:.2f} | {r['in_place_gate_s']:.2f} "
+        f"| {r['rebuild_s']:.2f} | {r['in_place_vs_cold']:.2f} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 

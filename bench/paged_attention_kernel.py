@@ -102,8 +102,14 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     timer, device = Timer(), torch.device("cuda")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "page_size": PAGE_SIZE,
-            "max_pages": MAX_PAGES, "pool_tokens": POOL_TOKENS, "calls_per_graph": CALLS}  # fmt: skip
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "page_size": PAGE_SIZE,
+        "max_pages": MAX_PAGES,
+        "pool_tokens": POOL_TOKENS,
+        "calls_per_graph": CALLS,
+    }
     results: dict = {"meta": meta, "table": [], "sweep": []}
     for name, (heads, kv_heads, dim) in SHAPES.items():
         pool = make_pool(kv_heads, dim)
@@ -116,10 +122,19 @@ def main() -> None:
                 kernel_us = timer.per_call_us(point.kernel(config), CALLS, 10)
                 ref_calls = max(2, min(CALLS, (8 << 30) // point.full_bytes))
                 reference_us = timer.per_call_us(point.reference, ref_calls, 5)
-                row = {"shape": name, "batch": batch, "context": context, "num_splits": config.num_splits,
-                       "block_n": config.block_n, "kernel_us": kernel_us, "live_kv_bytes": point.live_bytes,
-                       "kernel_gb_s": point.live_bytes / kernel_us / 1e3, "reference_us": reference_us,
-                       "reference_kv_bytes": point.full_bytes, "speedup": reference_us / kernel_us}  # fmt: skip
+                row = {
+                    "shape": name,
+                    "batch": batch,
+                    "context": context,
+                    "num_splits": config.num_splits,
+                    "block_n": config.block_n,
+                    "kernel_us": kernel_us,
+                    "live_kv_bytes": point.live_bytes,
+                    "kernel_gb_s": point.live_bytes / kernel_us / 1e3,
+                    "reference_us": reference_us,
+                    "reference_kv_bytes": point.full_bytes,
+                    "speedup": reference_us / kernel_us,
+                }
                 print(json.dumps(row), flush=True)
                 results["table"].append(row)
                 Path(args.out).write_text(json.dumps(results, indent=1))
@@ -130,9 +145,19 @@ def main() -> None:
             for block_n, num_warps, num_stages in SWEEP_CONFIGS:
                 for splits in SWEEP_SPLITS:
                     us = timer.per_call_us(point.kernel(SplitConfig(splits, block_n, num_warps, num_stages)), CALLS, 10)
-                    rows.append({"shape": name, "batch": batch, "context": context, "num_splits": splits,
-                                 "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
-                                 "kernel_us": us, "kernel_gb_s": point.live_bytes / us / 1e3})  # fmt: skip
+                    rows.append(
+                        {
+                            "shape": name,
+                            "batch": batch,
+                            "context": context,
+                            "num_splits": splits,
+                            "block_n": block_n,
+                            "num_warps": num_warps,
+                            "num_stages": num_stages,
+                            "kernel_us": us,
+                            "kernel_gb_s": point.live_bytes / us / 1e3,
+                        }
+                    )
             results["sweep"] += rows
             best = min(rows, key=lambda r: r["kernel_us"])
             print("best", json.dumps(best), flush=True)

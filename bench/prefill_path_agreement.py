@@ -37,8 +37,14 @@ def main() -> None:
     sdpa = transformers_greedy(checkpoint, prompts, MAX_TOKENS, "cuda", "sdpa", eos)
     eager = transformers_greedy(checkpoint, prompts, MAX_TOKENS, "cuda", "eager", eos)
     answers = {"packed": packed, "per_prompt": per_prompt, "sdpa": sdpa, "eager": eager}
-    pairs = [("packed", "sdpa"), ("per_prompt", "sdpa"), ("packed", "eager"), ("per_prompt", "eager"),
-             ("sdpa", "eager"), ("packed", "per_prompt")]  # fmt: skip
+    pairs = [
+        ("packed", "sdpa"),
+        ("per_prompt", "sdpa"),
+        ("packed", "eager"),
+        ("per_prompt", "eager"),
+        ("sdpa", "eager"),
+        ("packed", "per_prompt"),
+    ]
     result = {f"{a}_vs_{b}": sum(x == y for x, y in zip(answers[a], answers[b], strict=True)) for a, b in pairs}
     result["france"] = {k: tokenizer.decode(answers[k][0]) for k in ("packed", "per_prompt", "sdpa")}
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -40,8 +40,15 @@ def wave(engine: LLMEngine, k: int, prompt_len: int) -> float:
 
 
 def phase(engine: LLMEngine, prompt_len: int) -> dict:
-    rows = [{"prompts": k, "tokens": k * prompt_len, "new_length_ms": wave(engine, k, prompt_len),
-             "seen_length_ms": wave(engine, k, prompt_len)} for k in WAVES]  # fmt: skip
+    rows = [
+        {
+            "prompts": k,
+            "tokens": k * prompt_len,
+            "new_length_ms": wave(engine, k, prompt_len),
+            "seen_length_ms": wave(engine, k, prompt_len),
+        }
+        for k in WAVES
+    ]
     extra = [r["new_length_ms"] - r["seen_length_ms"] for r in rows]
     return {"prompt_tokens": prompt_len, "waves": rows, "median_new_length_extra_ms": statistics.median(extra)}
 

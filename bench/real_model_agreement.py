@@ -59,8 +59,14 @@ def ours(
 ) -> tuple[list[list[int]], LLMEngine]:
     """Greedy answers of one batch of all prompts, with the engine's default graph policy or `policy`,
     every request denied graphs for `denial` if set; and the engine, for its stats and EOS ids."""
-    config = EngineConfig(model=str(checkpoint), max_model_len=512, device=device, dtype="bfloat16",
-                          max_num_seqs=len(prompts), **({"graph_policy": policy} if policy else {}))  # fmt: skip
+    config = EngineConfig(
+        model=str(checkpoint),
+        max_model_len=512,
+        device=device,
+        dtype="bfloat16",
+        max_num_seqs=len(prompts),
+        **({"graph_policy": policy} if policy else {}),
+    )
     engine, _ = LLMEngine.from_config(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     seqs = [engine.add_request(p, params, graph_denial=denial) for p in prompts]
@@ -69,8 +75,9 @@ def ours(
     return [s.output_ids for s in seqs], engine
 
 
-def transformers_greedy(checkpoint: Path, prompts: list[list[int]], max_tokens: int, device: str, attention: str,
-                        eos: set) -> list[list[int]]:  # fmt: skip
+def transformers_greedy(
+    checkpoint: Path, prompts: list[list[int]], max_tokens: int, device: str, attention: str, eos: set
+) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation=attention)
@@ -91,8 +98,10 @@ def chat_prompts(checkpoint: Path) -> tuple[object, list[list[int]]]:
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     turns = [[{"role": "user", "content": q}] for q in PROMPTS]
-    return tokenizer, [list(tokenizer.apply_chat_template(t, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)) for t in turns]  # fmt: skip
+    return tokenizer, [
+        list(tokenizer.apply_chat_template(t, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for t in turns
+    ]
 
 
 def main() -> None:
@@ -119,8 +128,12 @@ def main() -> None:
             row[f"{a}_vs_{b}_equal"] = answers[a][i] == answers[b][i]
         rows.append(row)
     summary = {f"{a}_vs_{b}_equal": sum(r[f"{a}_vs_{b}_equal"] for r in rows) for a, b in PAIRS}
-    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
-                model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)", max_tokens=args.max_tokens)  # fmt: skip
+    meta = dict(
+        device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        torch=torch.__version__,
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)",
+        max_tokens=args.max_tokens,
+    )
     lines = ["| prompt | ours = sdpa (shared tokens) | ours = eager | sdpa = eager |", "|---|---|---|---|"]
     for r in rows:
         cells = [f"{'yes' if r[f'{a}_vs_{b}_equal'] else 'no'} ({r[f'{a}_vs_{b}_shared']})" for a, b in PAIRS]

@@ -98,12 +98,13 @@ def main() -> None:
     rows = []
     for bs in args.batch_sizes:
         medians = {kind: statistics.median(step_times(kind, bs, device, dtype, steps)) for kind in KINDS}
-        rows += [dict(kind=kind, batch_size=bs, steps=steps, ms_median=ms, ratio_to_greedy=ms / medians["greedy"])
-                 for kind, ms in medians.items()]  # fmt: skip
+        rows += [
+            dict(kind=kind, batch_size=bs, steps=steps, ms_median=ms, ratio_to_greedy=ms / medians["greedy"])
+            for kind, ms in medians.items()
+        ]
         print({kind: round(ms, 3) for kind, ms in medians.items()}, f"bs {bs}", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    meta = dict(device=name, torch=torch.__version__, vocab=VOCAB, dtype=str(dtype), prompt=PROMPT,
-                generated=GENERATED)  # fmt: skip
+    meta = dict(device=name, torch=torch.__version__, vocab=VOCAB, dtype=str(dtype), prompt=PROMPT, generated=GENERATED)
     note = f"Median ms per decode step of the sampler (ratio to greedy), vocab {VOCAB}, logits in {dtype}.\n"
     write_report(args.out, {"meta": meta, "rows": rows}, markdown(rows), note)
 

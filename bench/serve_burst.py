@@ -24,8 +24,14 @@ PORT = 8011
 
 
 async def one_stream(client, tokens: int) -> float:
-    stream = await client.completions.create(model="tiny-llama-v1", prompt="hello there", max_tokens=tokens,
-                                             temperature=0.0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = await client.completions.create(
+        model="tiny-llama-v1",
+        prompt="hello there",
+        max_tokens=tokens,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     first = None
     async for chunk in stream:
         if chunk.choices and first is None:
@@ -45,8 +51,12 @@ async def bursts(streams: int, rounds: int, tokens: int, idle_s: float) -> list[
         firsts = sorted(
             (f - t0) * 1e3 for f in await asyncio.gather(*[one_stream(client, tokens) for _ in range(streams)])
         )
-        out.append({"wall_ms": (time.perf_counter() - t0) * 1e3, "first_chunk_ms": {
-            "min": firsts[0], "median": firsts[len(firsts) // 2], "max": firsts[-1]}})  # fmt: skip
+        out.append(
+            {
+                "wall_ms": (time.perf_counter() - t0) * 1e3,
+                "first_chunk_ms": {"min": firsts[0], "median": firsts[len(firsts) // 2], "max": firsts[-1]},
+            }
+        )
     return out
 
 
@@ -68,8 +78,17 @@ def main() -> None:
     state = Path(tempfile.mkdtemp()) / "state.json"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(deployment({"replica_num_cpus": 0.5, "ingress_num_cpus": 0.25, "max_model_len": 256,
-                          "controller_state_path": str(state)}), blocking=False)  # fmt: skip
+    serve.run(
+        deployment(
+            {
+                "replica_num_cpus": 0.5,
+                "ingress_num_cpus": 0.25,
+                "max_model_len": 256,
+                "controller_state_path": str(state),
+            }
+        ),
+        blocking=False,
+    )
     while True:
         try:
             if urllib.request.urlopen(f"http://127.0.0.1:{PORT}/readyz", timeout=2).status == 200:
@@ -79,8 +98,10 @@ def main() -> None:
     rounds = asyncio.run(bursts(args.streams, args.rounds, args.tokens, args.idle_s))
     serve.shutdown()
     ray.shutdown()
-    summary = {"median_wall_ms": statistics.median(r["wall_ms"] for r in rounds),
-               "median_last_first_chunk_ms": statistics.median(r["first_chunk_ms"]["max"] for r in rounds)}  # fmt: skip
+    summary = {
+        "median_wall_ms": statistics.median(r["wall_ms"] for r in rounds),
+        "median_last_first_chunk_ms": statistics.median(r["first_chunk_ms"]["max"] for r in rounds),
+    }
     Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "rounds": rounds}, indent=1))
     print(json.dumps(summary))
 

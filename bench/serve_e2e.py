@@ -53,9 +53,13 @@ def write_model(path: Path) -> None:
 
 def counters(stats: dict) -> dict[str, float]:
     """The cumulative engine counters a level's difference is taken of."""
-    return {"prefill_steps": stats["prefill_steps"], "decode_steps": stats["decode_steps"],
-            "generated_tokens": stats["generated_tokens"], "prefill_busy_s": stats["busy_s"]["prefill"],
-            "decode_busy_s": stats["busy_s"]["decode"]}  # fmt: skip
+    return {
+        "prefill_steps": stats["prefill_steps"],
+        "decode_steps": stats["decode_steps"],
+        "generated_tokens": stats["generated_tokens"],
+        "prefill_busy_s": stats["busy_s"]["prefill"],
+        "decode_busy_s": stats["busy_s"]["decode"],
+    }
 
 
 def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -83,8 +87,12 @@ def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: i
             engine.step()
         wall = time.perf_counter() - t0
     tpots = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs]
-    result = dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(len(s.output_ids) for s in seqs) / wall,
-                  steps=difference(counters(engine.stats.snapshot()), before), wall_s=wall)  # fmt: skip
+    result = dict(
+        tpot_ms=statistics.median(tpots) * 1e3,
+        tokens_per_s=sum(len(s.output_ids) for s in seqs) / wall,
+        steps=difference(counters(engine.stats.snapshot()), before),
+        wall_s=wall,
+    )
     del engine
     torch.cuda.empty_cache()
     return result
@@ -93,9 +101,15 @@ def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: i
 async def one_stream(client, model: str, max_tokens: int) -> tuple[float, float, int]:
     first = last = None
     tokens = 0
-    stream = await client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0.0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})  # fmt: skip
+    stream = await client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices:  # random weights: most tokens are outside the byte vocabulary and decode to ""
@@ -125,10 +139,15 @@ async def serve_level(base_url: str, model: str, streams: int, max_tokens: int) 
     steps = difference(engine_counters(), before)
     tpots = [(last - first) / (n - 1) for first, last, n in results if n > 1 and last > first]
     first_ms = sorted((first - t0) * 1e3 for first, _, _ in results)
-    return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens_per_s=sum(n for _, _, n in results) / wall,
-                completion_tokens=[n for _, _, n in results], wall_s=wall, steps=steps,
-                first_chunk_ms=dict(min=first_ms[0], median=first_ms[len(first_ms) // 2],
-                                    max=first_ms[-1]), stage_start_ms=stages)  # fmt: skip
+    return dict(
+        tpot_ms=statistics.median(tpots) * 1e3,
+        tokens_per_s=sum(n for _, _, n in results) / wall,
+        completion_tokens=[n for _, _, n in results],
+        wall_s=wall,
+        steps=steps,
+        first_chunk_ms=dict(min=first_ms[0], median=first_ms[len(first_ms) // 2], max=first_ms[-1]),
+        stage_start_ms=stages,
+    )
 
 
 def stage_starts(since: float, until: float) -> dict[str, dict]:
@@ -206,10 +225,16 @@ def main() -> None:
         os.environ["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"] = "1"
     ray.init(num_cpus=8, num_gpus=1, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    app = deployment({"model": str(model_dir), "accelerator": "gpu", "max_model_len": args.max_model_len,
-                      "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-                      "stream_interval_ms": args.stream_interval_ms,
-                      "controller_state_path": str(model_dir.parent / "state.json")})  # fmt: skip
+    app = deployment(
+        {
+            "model": str(model_dir),
+            "accelerator": "gpu",
+            "max_model_len": args.max_model_len,
+            "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+            "stream_interval_ms": args.stream_interval_ms,
+            "controller_state_path": str(model_dir.parent / "state.json"),
+        }
+    )
     t0 = time.perf_counter()
     serve.run(app, blocking=False)
     ready_s = time.perf_counter() - t0 + wait_ready("http://127.0.0.1:8000", 600)
@@ -222,22 +247,38 @@ def main() -> None:
     rows = []
     for c in args.streams:
         served = asyncio.run(serve_level("http://127.0.0.1:8000", model_dir.name, c, args.max_tokens))
-        rows.append(dict(streams=c, replica_steps=served["steps"], engine_alone_steps=alone[c]["steps"],
-                         e2e_wall_s=served["wall_s"], engine_alone_wall_s=alone[c]["wall_s"],
-                         first_chunk_ms=served["first_chunk_ms"], stage_start_ms=served["stage_start_ms"],
-                         engine_tpot_ms=alone[c]["tpot_ms"], e2e_tpot_ms=served["tpot_ms"],
-                         tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
-                         engine_tokens_per_s=alone[c]["tokens_per_s"], e2e_tokens_per_s=served["tokens_per_s"],
-                         throughput_ratio=served["tokens_per_s"] / alone[c]["tokens_per_s"],
-                         throughput_vs_replica_engine=served["tokens_per_s"] / served["steps"]["tokens_per_busy_s"],
-                         completion_tokens=served["completion_tokens"]))  # fmt: skip
+        rows.append(
+            dict(
+                streams=c,
+                replica_steps=served["steps"],
+                engine_alone_steps=alone[c]["steps"],
+                e2e_wall_s=served["wall_s"],
+                engine_alone_wall_s=alone[c]["wall_s"],
+                first_chunk_ms=served["first_chunk_ms"],
+                stage_start_ms=served["stage_start_ms"],
+                engine_tpot_ms=alone[c]["tpot_ms"],
+                e2e_tpot_ms=served["tpot_ms"],
+                tpot_ratio=served["tpot_ms"] / alone[c]["tpot_ms"],
+                engine_tokens_per_s=alone[c]["tokens_per_s"],
+                e2e_tokens_per_s=served["tokens_per_s"],
+                throughput_ratio=served["tokens_per_s"] / alone[c]["tokens_per_s"],
+                throughput_vs_replica_engine=served["tokens_per_s"] / served["steps"]["tokens_per_busy_s"],
+                completion_tokens=served["completion_tokens"],
+            )
+        )
         print(rows[-1], flush=True)
     serve.shutdown()
     ray.shutdown()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, max_tokens=args.max_tokens,
-                stream_interval_ms=args.stream_interval_ms, throughput_optimized=args.throughput_optimized,
-                serve_run_to_ready_s=ready_s, captured_buckets=captured,
-                model="1b-shape random bf16, byte tokenizer")  # fmt: skip
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        max_tokens=args.max_tokens,
+        stream_interval_ms=args.stream_interval_ms,
+        throughput_optimized=args.throughput_optimized,
+        serve_run_to_ready_s=ready_s,
+        captured_buckets=captured,
+        model="1b-shape random bf16, byte tokenizer",
+    )
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(json.dumps(meta))
 

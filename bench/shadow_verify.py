@@ -30,8 +30,9 @@ CONTEXT = 256
 
 def engine_for(model, buckets: tuple[int, ...]) -> LLMEngine:
     policy = GraphPolicy(decode_batch_buckets=buckets, compile=False)
-    return LLMEngine(model, EngineConfig(max_num_seqs=max(buckets), max_model_len=model.max_model_len,
-                                         graph_policy=policy))  # fmt: skip
+    return LLMEngine(
+        model, EngineConfig(max_num_seqs=max(buckets), max_model_len=model.max_model_len, graph_policy=policy)
+    )
 
 
 def interleaved_tpot(engine: LLMEngine, batch_size: int, rates: dict[int, int], rounds: int) -> dict[int, list[float]]:
@@ -87,13 +88,20 @@ def main() -> None:
         engine = engine_for(model, buckets)
         for bs in args.batch_sizes:
             for every, times in interleaved_tpot(engine, bs, rates, args.rounds).items():
-                rows.append(dict(config=name, batch_size=bs, shadow_every_n_steps=every, steps=len(times),
-                                 tpot_ms_median=statistics.median(times), tpot_ms_mean=statistics.fmean(times),
-                                 tpot_ms_p99=percentile(times, 0.99)))  # fmt: skip
+                rows.append(
+                    dict(
+                        config=name,
+                        batch_size=bs,
+                        shadow_every_n_steps=every,
+                        steps=len(times),
+                        tpot_ms_median=statistics.median(times),
+                        tpot_ms_mean=statistics.fmean(times),
+                        tpot_ms_p99=percentile(times, 0.99),
+                    )
+                )
                 print(rows[-1], flush=True)
         for bs in args.batch_sizes:
-            detection.append(dict(config=name, shadow_every_n_steps=default_every,
-                                  **detection_latency_s(engine, bs)))  # fmt: skip
+            detection.append(dict(config=name, shadow_every_n_steps=default_every, **detection_latency_s(engine, bs)))
             print(detection[-1], flush=True)
         del engine, model
         torch.cuda.empty_cache()
@@ -105,15 +113,19 @@ def markdown(rows: list[dict], detection: list[dict]) -> str:
     """Mean TPOT (the checks are rare spikes: the mean is what they cost) without checks, at the
     default rate and with every replay checked; the last prices one check and predicts the rate's
     overhead."""
-    lines = ["| config | bs | TPOT off (ms) | TPOT at 1/n (ms) | overhead | one check (ms) | predicted at 1/n |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| config | bs | TPOT off (ms) | TPOT at 1/n (ms) | overhead | one check (ms) | predicted at 1/n |",
+        "|---|---|---|---|---|---|---|",
+    ]
     keyed = {(r["config"], r["batch_size"], r["shadow_every_n_steps"]): r["tpot_ms_mean"] for r in rows}
     rates = sorted({every for _, _, every in keyed} - {0, 1})
     for config, bs, every in sorted(k for k in keyed if k[2] in rates):
         off, on, all_checked = keyed[(config, bs, 0)], keyed[(config, bs, every)], keyed[(config, bs, 1)]
         check = all_checked - off
-        lines.append(f"| {config} | {bs} | {off:.3f} | {on:.3f} (n={every}) | {on / off - 1:+.1%} | {check:.3f} "
-                     f"| {check / (every * off):+.1%} |")  # fmt: skip
+        lines.append(
+            f"| {config} | {bs} | {off:.3f} | {on:.3f} (n={every}) | {on / off - 1:+.1%} | {check:.3f} "
+            f"| {check / (every * off):+.1%} |"
+        )
     lines += ["", "| config | bs | steps to detect | seconds |", "|---|---|---|---|"]
     lines += [f"| {d['config']} | {d['batch_size']} | {d['steps_to_detect']} | {d['seconds']:.3f} |" for d in detection]
     return "\n".join(lines)

@@ -59,8 +59,15 @@ def run(chars: int, cap: int, repeats: int) -> list[dict]:
             assert out == text, name  # no stop string matches: everything comes out
             times.append(seconds)
         best = min(times)
-        rows.append({"case": name, "chars": len(text), "tokens": len(ids), "seconds": best,
-                     "us_per_token": best / len(ids) * 1e6})  # fmt: skip
+        rows.append(
+            {
+                "case": name,
+                "chars": len(text),
+                "tokens": len(ids),
+                "seconds": best,
+                "us_per_token": best / len(ids) * 1e6,
+            }
+        )
     return rows
 
 
@@ -71,8 +78,13 @@ def markdown(result: dict, baseline: dict | None) -> str:
     if before:
         head += " before: seconds | speed-up |"
         rule += "---:|---:|"
-    lines = [f"Stop strings in the detokenizer, {result['chars']} characters fed token by token (best of "
-             f"{result['repeats']}, {result['machine']}).", "", head, rule]  # fmt: skip
+    lines = [
+        f"Stop strings in the detokenizer, {result['chars']} characters fed token by token (best of "
+        f"{result['repeats']}, {result['machine']}).",
+        "",
+        head,
+        rule,
+    ]
     for r in result["rows"]:
         line = f"| {r['case']} | {r['tokens']} | {r['seconds']:.4f} | {r['us_per_token']:.1f} |"
         if before:

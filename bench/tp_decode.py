@@ -53,8 +53,9 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     tp = init_tp_group(rank, world, f"tcp://127.0.0.1:{port}", device, timeout_s=600)
     model = random_model(args.config, PROMPT_LEN + args.steps + WARMUP_STEPS + 40, device, tp=tp)
     for mode in args.modes:
-        config = EngineConfig(max_num_seqs=max(args.batch_sizes), max_model_len=model.max_model_len,
-                              graph_policy=GraphPolicy(mode=mode))  # fmt: skip
+        config = EngineConfig(
+            max_num_seqs=max(args.batch_sizes), max_model_len=model.max_model_len, graph_policy=GraphPolicy(mode=mode)
+        )
         if rank > 0:
             runner = prepare_follower(model, config)
             follow(StepChannel(tp, device), runner)
@@ -69,8 +70,16 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
                     channel.seconds, channel.sends = 0.0, 0
                 times = engine_tpot(engine, bs, args.steps, WARMUP_STEPS)
                 control = channel.seconds / channel.sends * 1e3 if channel is not None else None
-                results.put(dict(tp=world, mode=mode, batch_size=bs, tpot_ms=statistics.median(times),
-                                 p99_ms=percentile(times, 0.99), control_ms_per_step=control))  # fmt: skip
+                results.put(
+                    dict(
+                        tp=world,
+                        mode=mode,
+                        batch_size=bs,
+                        tpot_ms=statistics.median(times),
+                        p99_ms=percentile(times, 0.99),
+                        control_ms_per_step=control,
+                    )
+                )
             engine.stop_followers()
             del engine
         torch.cuda.synchronize(device)
@@ -116,9 +125,15 @@ def main() -> None:
                 captures.append(dict(tp=world, **item))
             else:
                 rows.append(item)
-    meta = dict(device=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), torch=torch.__version__,
-                nccl=".".join(map(str, torch.cuda.nccl.version())), config=args.config, steps=args.steps,
-                prompt_len=PROMPT_LEN)  # fmt: skip
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        gpus=torch.cuda.device_count(),
+        torch=torch.__version__,
+        nccl=".".join(map(str, torch.cuda.nccl.version())),
+        config=args.config,
+        steps=args.steps,
+        prompt_len=PROMPT_LEN,
+    )
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "captures": captures}, indent=1))
 
 

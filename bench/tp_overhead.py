@@ -46,10 +46,17 @@ def main() -> None:
             timings[name] = engine_tpot(engine, bs, args.steps, 20)
             del engine
         base, chan = (statistics.median(timings[k]) for k in ("in_process", "step_channel"))
-        rows.append(dict(batch_size=bs, tpot_ms_in_process=base, tpot_ms_step_channel=chan,
-                         overhead_ms=chan - base, overhead_ratio=chan / base,
-                         p99_in_process=percentile(timings["in_process"], 0.99),
-                         p99_step_channel=percentile(timings["step_channel"], 0.99)))  # fmt: skip
+        rows.append(
+            dict(
+                batch_size=bs,
+                tpot_ms_in_process=base,
+                tpot_ms_step_channel=chan,
+                overhead_ms=chan - base,
+                overhead_ratio=chan / base,
+                p99_in_process=percentile(timings["in_process"], 0.99),
+                p99_step_channel=percentile(timings["step_channel"], 0.99),
+            )
+        )
         print(rows[-1], flush=True)
     dist.destroy_process_group()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, config="1b", mode="full")

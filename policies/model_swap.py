@@ -65,11 +65,29 @@ class Swap(BaseModel):
     replicas: dict[str, ReplicaProgress]
 
     @classmethod
-    def begin(cls, swap_id: str, kind: str, request: SwapRequest | None, target: dict, previous: dict,
-              replicas: list[str], actor: str, now: float) -> Swap:  # fmt: skip
+    def begin(
+        cls,
+        swap_id: str,
+        kind: str,
+        request: SwapRequest | None,
+        target: dict,
+        previous: dict,
+        replicas: list[str],
+        actor: str,
+        now: float,
+    ) -> Swap:
         settings = request.model_dump(exclude={"model", "revision"}) if request else {}
-        return cls(id=swap_id, kind=kind, target=target, previous=previous, actor=actor, started_at=now,
-                   order=list(replicas), replicas={r: ReplicaProgress() for r in replicas}, **settings)  # fmt: skip
+        return cls(
+            id=swap_id,
+            kind=kind,
+            target=target,
+            previous=previous,
+            actor=actor,
+            started_at=now,
+            order=list(replicas),
+            replicas={r: ReplicaProgress() for r in replicas},
+            **settings,
+        )
 
     def join(self, replica_id: str) -> None:
         """A replica that came up during the swap, still on the previous model: last in the order."""
@@ -83,8 +101,9 @@ class Swap(BaseModel):
             return []
         return [r for r in self.order if self.replicas[r].step not in DONE][: self.max_unavailable]
 
-    def record(self, replica_id: str, step: str, at: float, detail: str | None = None,
-               path: str | None = None) -> str | None:  # fmt: skip
+    def record(
+        self, replica_id: str, step: str, at: float, detail: str | None = None, path: str | None = None
+    ) -> str | None:
         """A replica's reported step; the reason of the transition it causes, if any."""
         progress = self.replicas.get(replica_id)
         if progress is None or self.phase != SwapPhase.PROGRESSING or progress.step == step or step not in STEPS:
@@ -118,8 +137,11 @@ class Swap(BaseModel):
         told = max([self.started_at] + [p.finished_at for p in self.replicas.values() if p.finished_at])
         for replica_id in self.now_swapping():
             if now - (self.replicas[replica_id].started_at or told) > self.replica_timeout_s:
-                return self._finish(SwapPhase.FAILED, now, f"replica {replica_id} did not finish its swap within "
-                                    f"{self.replica_timeout_s:g} s")  # fmt: skip
+                return self._finish(
+                    SwapPhase.FAILED,
+                    now,
+                    f"replica {replica_id} did not finish its swap within {self.replica_timeout_s:g} s",
+                )
         return None
 
     def _finish(self, phase: SwapPhase, at: float, reason: str) -> str:

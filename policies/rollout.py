@@ -96,9 +96,12 @@ class CohortSignals(BaseModel):
             if n > n0:
                 steps[bs] = (n - n0, s - s0)
         return CohortSignals(
-            requests=self.requests - base.requests, errors=self.errors - base.errors, rows=self.rows - base.rows,
-            fallback_rows=self.fallback_rows - base.fallback_rows, step_s=steps,
-        )  # fmt: skip
+            requests=self.requests - base.requests,
+            errors=self.errors - base.errors,
+            rows=self.rows - base.rows,
+            fallback_rows=self.fallback_rows - base.fallback_rows,
+            step_s=steps,
+        )
 
 
 class Signals(BaseModel):
@@ -112,10 +115,12 @@ class Signals(BaseModel):
 
     def minus(self, base: Signals) -> Signals:
         return Signals(
-            graph=self.graph.minus(base.graph), holdback=self.holdback.minus(base.holdback),
+            graph=self.graph.minus(base.graph),
+            holdback=self.holdback.minus(base.holdback),
             shadow_checks=self.shadow_checks - base.shadow_checks,
-            shadow_mismatches=self.shadow_mismatches - base.shadow_mismatches, shadow_detail=self.shadow_detail,
-        )  # fmt: skip
+            shadow_mismatches=self.shadow_mismatches - base.shadow_mismatches,
+            shadow_detail=self.shadow_detail,
+        )
 
 
 # -- guards ---------------------------------------------------------------------------------------
@@ -145,8 +150,15 @@ def evaluate_guards(guards: Guards, stage: Signals, has_holdback: bool) -> list[
     """Each guard's verdict on one stage's signals. Guards that compare with the holdback are off
     when there is none (at 100%)."""
     g, h, n = stage.graph, stage.holdback, guards.min_samples
-    out = [GuardResult(guard="shadow_verification", verdict=_verdict(stage.shadow_mismatches == 0),
-                       value=stage.shadow_mismatches, limit=0, samples=stage.shadow_checks)]  # fmt: skip
+    out = [
+        GuardResult(
+            guard="shadow_verification",
+            verdict=_verdict(stage.shadow_mismatches == 0),
+            value=stage.shadow_mismatches,
+            limit=0,
+            samples=stage.shadow_checks,
+        )
+    ]
     limit = guards.max_error_rate_delta
     if limit is None or not has_holdback:
         out.append(GuardResult(guard="error_rate", verdict="off", limit=limit))

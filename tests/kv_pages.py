@@ -15,8 +15,9 @@ def page_edits(cache: KVCache, seed: int = 0) -> list[int]:
     pool = (torch.randperm(cache.num_pages - 1, generator=g) + 1).tolist()
     need = cache.num_slots * cache.max_pages
     assert len(pool) >= need, f"the pool has {len(pool)} pages; {need} needed"
-    return [v for s in range(cache.num_slots) for i in range(cache.max_pages)
-            for v in (s, i, pool[s * cache.max_pages + i])]  # fmt: skip
+    return [
+        v for s in range(cache.num_slots) for i in range(cache.max_pages) for v in (s, i, pool[s * cache.max_pages + i])
+    ]
 
 
 def assign_pages(cache: KVCache, seed: int = 0) -> None:

@@ -37,14 +37,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def generate(args: argparse.Namespace) -> dict:
     lora = LoraLimits(max_loras=1, max_lora_rank=args.max_lora_rank) if args.lora else None
     engine, tokenizer = LLMEngine.from_config(
-        EngineConfig(
-            model=args.model, max_num_seqs=1, max_model_len=args.max_model_len, device=args.device, lora=lora
-        )  # fmt: skip
+        EngineConfig(model=args.model, max_num_seqs=1, max_model_len=args.max_model_len, device=args.device, lora=lora)
     )
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         seed=args.seed,
-    )  # fmt: skip
+    )
     prompt_ids = tokenizer(args.prompt)["input_ids"]
     runner = AsyncEngine(engine, tokenizer).start()
     try:

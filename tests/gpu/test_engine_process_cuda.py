@@ -51,8 +51,9 @@ def test_engine_process_replays_graphs_and_matches_eager(tmp_path, monkeypatch):
     modes = {p["execution_mode"] for p in status.stats["decode_step_parts"]}
     assert modes == {"cuda_graph"}
 
-    eager, _ = LLMEngine.from_config(EngineConfig(max_num_seqs=8, max_model_len=256, device="cuda",
-                                                  graph_policy=GraphPolicy(mode="eager")))  # fmt: skip
+    eager, _ = LLMEngine.from_config(
+        EngineConfig(max_num_seqs=8, max_model_len=256, device="cuda", graph_policy=GraphPolicy(mode="eager"))
+    )
     seqs = [eager.add_request(q, p) for q, p in zip(prompts, params)]
     while eager.has_work():
         eager.step()

@@ -41,8 +41,14 @@ def make_engine(mode="full", backend="sdpa", max_num_seqs=40, max_model_len=256,
     engine_options = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
     options.setdefault("compile", False)  # compile is the default; tests opt in where they need it
     policy = GraphPolicy(mode=mode, decode_batch_buckets=options.pop("buckets", BUCKETS), **options)
-    config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, device="cuda",
-                          attention_backend=backend, graph_policy=policy, **engine_options)  # fmt: skip
+    config = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        device="cuda",
+        attention_backend=backend,
+        graph_policy=policy,
+        **engine_options,
+    )
     engine = LLMEngine.from_config(config)[0]
     assert engine.model.attention_backend.name == backend
     return engine
@@ -55,8 +61,12 @@ def requests(n: int, seed: int, sampled: bool = True, max_tokens: int = STEPS, l
     for i in range(n):
         prompt = torch.randint(0, 256, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
         temp = 0.9 if sampled and i % 2 else 0.0
-        out.append((prompt, SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=0.95, seed=seed + i,
-                                           ignore_eos=True)))  # fmt: skip
+        out.append(
+            (
+                prompt,
+                SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=0.95, seed=seed + i, ignore_eos=True),
+            )
+        )
     return out
 
 

@@ -35,9 +35,15 @@ def setup(tmp_path_factory):
 
 def engine_on(base, mode: str = "full") -> LLMEngine:
     policy = GraphPolicy(mode=mode, decode_batch_buckets=BUCKETS, compile=False)
-    config = EngineConfig(model=str(base), max_num_seqs=max(BUCKETS), max_model_len=256, device="cuda",
-                          attention_backend="triton", graph_policy=policy,
-                          lora=LoraLimits(max_loras=3, max_lora_rank=8))  # fmt: skip
+    config = EngineConfig(
+        model=str(base),
+        max_num_seqs=max(BUCKETS),
+        max_model_len=256,
+        device="cuda",
+        attention_backend="triton",
+        graph_policy=policy,
+        lora=LoraLimits(max_loras=3, max_lora_rank=8),
+    )
     return LLMEngine.from_config(config)[0]
 
 
@@ -77,8 +83,10 @@ def test_loading_an_adapter_while_others_decode_changes_nothing_for_them_and_cap
     runs = []
     for late in (adapters["a"], adapters["c"]):  # "a" is loaded by then; "c" is loaded mid-decode
         engine.forget_adapters()
-        seqs = [engine.add_request(p, params, adapter=a) for (p, params), a in
-                zip(reqs[:3], [adapters["a"], None, adapters["b"]], strict=True)]  # fmt: skip
+        seqs = [
+            engine.add_request(p, params, adapter=a)
+            for (p, params), a in zip(reqs[:3], [adapters["a"], None, adapters["b"]], strict=True)
+        ]
         for _ in range(8):
             engine.step()
         loads = engine.stats.adapter_loads["loaded"]
@@ -98,8 +106,15 @@ def test_compiled_lora_graphs_verify_and_apply_adapters(setup):
     passes verification, and the adapters change what is decoded."""
     base, adapters = setup
     policy = GraphPolicy(decode_batch_buckets=(1, 4), compile=True)
-    config = EngineConfig(model=str(base), max_num_seqs=4, max_model_len=256, device="cuda", attention_backend="triton",
-                          graph_policy=policy, lora=LoraLimits(max_loras=3, max_lora_rank=8))  # fmt: skip
+    config = EngineConfig(
+        model=str(base),
+        max_num_seqs=4,
+        max_model_len=256,
+        device="cuda",
+        attention_backend="triton",
+        graph_policy=policy,
+        lora=LoraLimits(max_loras=3, max_lora_rank=8),
+    )
     engine = LLMEngine.from_config(config)[0]
     assert engine.runners.lora.compiled and engine.runners.lora.table.ready == {1, 4}
     reqs = requests(3, seed=91, max_tokens=16)

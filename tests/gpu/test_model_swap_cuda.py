@@ -33,8 +33,14 @@ def checkpoints(tmp_path_factory):
 
 def engine_on(path) -> LLMEngine:
     policy = GraphPolicy(decode_batch_buckets=BUCKETS, compile=False)
-    config = EngineConfig(model=str(path), max_num_seqs=8, max_model_len=256, device="cuda", attention_backend="triton",
-                          graph_policy=policy)  # fmt: skip
+    config = EngineConfig(
+        model=str(path),
+        max_num_seqs=8,
+        max_model_len=256,
+        device="cuda",
+        attention_backend="triton",
+        graph_policy=policy,
+    )
     return LLMEngine.from_config(config)[0]
 
 

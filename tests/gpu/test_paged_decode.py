@@ -45,8 +45,9 @@ def mixed(seed: int, lengths: list[int], max_tokens: list[int], greedy_every: in
     for i, (n, m) in enumerate(zip(lengths, max_tokens)):
         prompt = torch.randint(0, 256, (n,), generator=g).tolist()
         temp = 0.0 if i % greedy_every == 0 else 0.9
-        out.append((prompt, SamplingParams(max_tokens=m, temperature=temp, top_p=0.95, seed=seed * 1000 + i,
-                                           ignore_eos=True)))  # fmt: skip
+        out.append(
+            (prompt, SamplingParams(max_tokens=m, temperature=temp, top_p=0.95, seed=seed * 1000 + i, ignore_eos=True))
+        )
     return out
 
 
@@ -187,8 +188,13 @@ def write_mistral(path, window: int):
     """The tiny default's shape as a Mistral checkpoint (bf16 weights, byte tokenizer) whose sliding
     window is shorter than the contexts below."""
     tokenizer = build_byte_tokenizer()
-    config = {**tiny_hf_config(len(tokenizer)), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-              "sliding_window": window, "dtype": "bfloat16"}  # fmt: skip
+    config = {
+        **tiny_hf_config(len(tokenizer)),
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "sliding_window": window,
+        "dtype": "bfloat16",
+    }
     return write_checkpoint(path, config, tokenizer, seed=7)
 
 
@@ -221,8 +227,15 @@ def test_mistral_sliding_window_paged(tmp_path, dtype, window):
 
     def engine(mode: str, backend: str) -> LLMEngine:
         policy = GraphPolicy(mode=mode, compile=False)
-        config = EngineConfig(model=str(path), dtype=dtype, device="cuda", max_num_seqs=8, max_model_len=256,
-                              attention_backend=backend, graph_policy=policy)  # fmt: skip
+        config = EngineConfig(
+            model=str(path),
+            dtype=dtype,
+            device="cuda",
+            max_num_seqs=8,
+            max_model_len=256,
+            attention_backend=backend,
+            graph_policy=policy,
+        )
         return LLMEngine.from_config(config)[0]
 
     graph = engine("full", "triton")

@@ -15,8 +15,9 @@ def test_packed_equals_per_prompt(window, dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     lens = [1, 7, 33, 130, 5]
     heads, kv_heads, dim = 8, 2, 64
-    q, k, v = (torch.randn(sum(lens), h, dim, device="cuda", dtype=dtype, generator=g)
-               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    q, k, v = (
+        torch.randn(sum(lens), h, dim, device="cuda", dtype=dtype, generator=g) for h in (heads, kv_heads, kv_heads)
+    )
     assert packed_supported(q, window)  # the fast path really runs on this device and torch
     packed = packed_attention(q, k, v, PackedPrompts(lens, q.device), window)
     reference = per_prompt_attention(q, k, v, lens, window)

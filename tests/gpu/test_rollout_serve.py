@@ -31,8 +31,11 @@ ARGS = {
     "max_num_seqs": 8,
     "cuda_graph_policy": {"decode_batch_buckets": [1, 2, 4, 8], "compile": False, "shadow_verify_every_n_steps": EVERY},
 }
-PLAN = {"steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}], "unit": "request",
-        "guards": {"interval_s": 0.5, "min_samples": 10**9}}  # fmt: skip
+PLAN = {
+    "steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}],
+    "unit": "request",
+    "guards": {"interval_s": 0.5, "min_samples": 10**9},
+}
 SEEDED = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 1234}
 ROLLBACK_WITHIN_S = 1.0
 
@@ -95,8 +98,12 @@ def test_a_faulty_bucket_rolls_the_rollout_back_within_a_second(app):
     try:
         fault.write_text("1")
         injected = time.monotonic()
-        current = wait_for(lambda: (r := rollout(server))["phase"] == "RolledBack" and r, 30, interval=0.02,
-                           what="the rollout to roll back")  # fmt: skip
+        current = wait_for(
+            lambda: (r := rollout(server))["phase"] == "RolledBack" and r,
+            30,
+            interval=0.02,
+            what="the rollout to roll back",
+        )
         latency = time.monotonic() - injected
     finally:
         stop.set()

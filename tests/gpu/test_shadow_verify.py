@@ -17,8 +17,9 @@ EVERY = 4
 
 @pytest.mark.parametrize("backend, compile", [("triton", False), ("sdpa", False), ("triton", True)])
 def test_live_replays_match_their_recomputation(backend, compile):
-    engine = make_engine(backend=backend, compile=compile, buckets=(1, 2, 4, 8), max_num_seqs=8,
-                         shadow_verify_every_n_steps=EVERY)  # fmt: skip
+    engine = make_engine(
+        backend=backend, compile=compile, buckets=(1, 2, 4, 8), max_num_seqs=8, shadow_verify_every_n_steps=EVERY
+    )
     run(engine, requests(7, seed=31, max_tokens=40))
     report = engine.status().stats["shadow"]
     assert report["checks"] == 39 // EVERY and report["mismatches"] == 0  # 39 decode steps after the prefill

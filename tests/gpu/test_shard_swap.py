@@ -31,8 +31,10 @@ def checkpoints(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shard-swap")
     tokenizer = build_byte_tokenizer()
     shape = tiny_hf_config(len(tokenizer))
-    paths = {name: write_checkpoint(tmp / name, shape, tokenizer, seed=seed) for name, seed in
-             (("v1", 31), ("v2", 32), ("nan", 33))}  # fmt: skip
+    paths = {
+        name: write_checkpoint(tmp / name, shape, tokenizer, seed=seed)
+        for name, seed in (("v1", 31), ("v2", 32), ("nan", 33))
+    }
     state = load_file(paths["nan"] / "model.safetensors")
     state["model.layers.1.mlp.down_proj.weight"][:, 3] = float("nan")
     save_file(state, paths["nan"] / "model.safetensors", metadata={"format": "pt"})

@@ -131,9 +131,15 @@ def test_tp2_app_is_running_only_after_both_shards_captured(tmp_path):
             assert shard["captured_at"] < running_at
 
         client = openai.OpenAI(base_url=server.v1, api_key=API_KEYS["tenant-a"], max_retries=0, timeout=60)
-        stream = client.completions.create(model=server.model, prompt="Hello", max_tokens=32, temperature=0,
-                                           stream=True, stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(
+            model=server.model,
+            prompt="Hello",
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = list(stream)
         assert chunks[-1].usage.completion_tokens == 32
         assert sum(1 for c in chunks if c.choices) > 1  # streamed, not one block

@@ -41,10 +41,12 @@ def make_engine(mode: str = "full", buckets: tuple[int, ...] = BUCKETS, **config
 def requests(n: int, seed: int, max_tokens: int = 16) -> list[tuple[list[int], SamplingParams]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randint(0, 256, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist(),
-         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        (
+            torch.randint(0, 256, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist(),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def run(engine: LLMEngine, reqs) -> list[list[int]]:

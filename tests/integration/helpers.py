@@ -41,8 +41,19 @@ ADMIN_CALLS = [
     ("PUT", "/admin/graph-policy", {"mode": "eager"}),
     ("GET", "/admin/buckets/recommendation?max_buckets=4", None),
 ]
-ADMIN_CALL_IDS = ["get-toggle", "put-toggle", "status", "audit", "start-rollout", "get-rollout", "abort-rollout",
-                  "start-swap", "get-model", "put-graph-policy", "bucket-recommendation"]  # fmt: skip
+ADMIN_CALL_IDS = [
+    "get-toggle",
+    "put-toggle",
+    "status",
+    "audit",
+    "start-rollout",
+    "get-rollout",
+    "abort-rollout",
+    "start-swap",
+    "get-model",
+    "put-graph-policy",
+    "bucket-recommendation",
+]
 
 # Small enough for 2 cores and 24 GiB: one replica, fractional CPUs, short contexts.
 BASE_ARGS: dict[str, Any] = {

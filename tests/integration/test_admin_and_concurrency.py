@@ -64,8 +64,9 @@ def toggle_url(tenant: str) -> str:
 def put_toggle(server, tenant: str, on: bool, operator: str | None = None, headers: dict | None = None):
     """PUT a toggle with `operator`'s token (None: the single GRAPHSERVE_ADMIN_TOKEN, operator admin)."""
     token = OPERATOR_TOKENS[operator] if operator else None
-    return server.http.put(toggle_url(tenant), json={"cuda_graph": on}, headers={**server.admin_headers(token),
-                                                                                 **(headers or {})})  # fmt: skip
+    return server.http.put(
+        toggle_url(tenant), json={"cuda_graph": on}, headers={**server.admin_headers(token), **(headers or {})}
+    )
 
 
 def get_toggle(server, tenant: str) -> bool:
@@ -494,8 +495,11 @@ def test_rollout_through_the_admin_api(server):
     bad = rollout_call(server, "POST", "", body={"steps": [{"percent": 50}, {"percent": 10}]})
     assert bad.status_code == 400 and "steps" in bad.json()["detail"]
     assert rollout_call(server, "POST", "", body={"steps": [{"percent": 50}], "unit": "gpu"}).status_code == 400
-    plan = {"steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}], "unit": "request",
-            "guards": {"min_samples": 100000, "interval_s": 0.5}}  # fmt: skip
+    plan = {
+        "steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}],
+        "unit": "request",
+        "guards": {"min_samples": 100000, "interval_s": 0.5},
+    }
     started = rollout_call(server, "POST", "", body=plan)
     assert started.status_code == 201, started.text
     rollout = started.json()
@@ -503,17 +507,22 @@ def test_rollout_through_the_admin_api(server):
     assert rollout_call(server, "POST", "", operator="bob", body=plan).status_code == 409
 
     def split_traffic() -> bool:
-        before = settled(lambda: (rows(server.replica_status(), "rollout_holdback"),
-                                  rows(server.replica_status(), "unavailable")))  # fmt: skip
+        before = settled(
+            lambda: (rows(server.replica_status(), "rollout_holdback"), rows(server.replica_status(), "unavailable"))
+        )
         for _ in range(8):
             assert server.complete("tenant-a", max_tokens=SHORT).status_code == 200
-        after = settled(lambda: (rows(server.replica_status(), "rollout_holdback"),
-                                 rows(server.replica_status(), "unavailable")))  # fmt: skip
+        after = settled(
+            lambda: (rows(server.replica_status(), "rollout_holdback"), rows(server.replica_status(), "unavailable"))
+        )
         return after[0] > before[0] and after[1] > before[1]
 
     wait_for(split_traffic, 60, interval=0, what="requests to split between the cohort and the holdback")
-    current = wait_for(lambda: (r := rollout_call(server, "GET", "/current").json())["signals"]["graph"]["requests"]
-                       and r, 30, what="cohort signals to reach the controller")  # fmt: skip
+    current = wait_for(
+        lambda: (r := rollout_call(server, "GET", "/current").json())["signals"]["graph"]["requests"] and r,
+        30,
+        what="cohort signals to reach the controller",
+    )
     assert current["signals"]["holdback"]["requests"] > 0 and current["phase"] == "Progressing"
     assert {g["guard"]: g["verdict"] for g in current["guards"]}["error_rate"] == "inconclusive"
 
@@ -547,8 +556,11 @@ def test_a_shadow_mismatch_reported_to_the_controller_rolls_back(server):
     fake = "replica-under-test"
     status = {"state": "READY", "stats": {"shadow": {"checks": 10, "mismatches": 0, "last_mismatch": None}}}
     ray.get(actor.report.remote(fake, status), timeout=30)
-    plan = {"steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}], "unit": "request",
-            "guards": {"interval_s": 0.2}}  # fmt: skip
+    plan = {
+        "steps": [{"percent": 50, "hold_s": 3600}, {"percent": 100}],
+        "unit": "request",
+        "guards": {"interval_s": 0.2},
+    }
     started = rollout_call(server, "POST", "", body=plan)
     assert started.status_code == 201, started.text
     try:
@@ -559,8 +571,11 @@ def test_a_shadow_mismatch_reported_to_the_controller_rolls_back(server):
         }
         reported = time.monotonic()
         ray.get(actor.report.remote(fake, {**status, "stats": {"shadow": mismatch}}), timeout=30)
-        current = wait_for(lambda: (r := rollout_call(server, "GET", "/current").json())["phase"] == "RolledBack"
-                           and r, 10, what="the rollout to roll back")  # fmt: skip
+        current = wait_for(
+            lambda: (r := rollout_call(server, "GET", "/current").json())["phase"] == "RolledBack" and r,
+            10,
+            what="the rollout to roll back",
+        )
         assert time.monotonic() - reported < 5
     finally:
         ray.get(actor.__ray_call__.remote(lambda self: self.replicas.pop(fake, None)), timeout=30)

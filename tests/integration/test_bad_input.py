@@ -98,16 +98,25 @@ def test_openai_client_gets_bad_request(server, client):
     with pytest.raises(openai.BadRequestError, match="alternate"):
         client.chat.completions.create(
             model=MODEL,
-            messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant",
-                      "content": "c"}],
+            messages=[
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "assistant", "content": "c"},
+            ],
             max_tokens=2,
-        )  # fmt: skip
+        )
     with pytest.raises(openai.BadRequestError, match="stop"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stop=["y" * (STOP_MAX_CHARS + 1)])
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                               {"role": "user", "content": "c"}], max_tokens=3, temperature=0,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ],
+        max_tokens=3,
+        temperature=0,
+    )
     assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage.completion_tokens >= 1
 
 

@@ -28,15 +28,20 @@ def register_unplaceable_controller(app_args: dict) -> None:
             lifetime="detached",
             resources={"no-such-node": 1},
             num_cpus=0,
-        )  # fmt: skip
+        )
         .remote(app_args["controller_state_path"], {})
     )
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp(APP), name=APP, args=ARGS, admin_token="admin-outage",
-                     before_deploy=register_unplaceable_controller) as s:  # fmt: skip
+    with running_app(
+        tmp_path_factory.mktemp(APP),
+        name=APP,
+        args=ARGS,
+        admin_token="admin-outage",
+        before_deploy=register_unplaceable_controller,
+    ) as s:
         yield s
 
 
@@ -76,8 +81,9 @@ def test_replica_syncs_once_the_controller_is_back(server):
     assert server.complete(tenant="tenant-a").status_code == 200
     r = server.http.get("/admin/tenants/tenant-b/cuda-graph", headers=server.admin_headers())
     assert r.status_code == 200 and r.json()["cuda_graph"] is False, r.text  # the config's toggle, persisted
-    r = server.http.put("/admin/tenants/tenant-a/cuda-graph", json={"cuda_graph": False},
-                        headers=server.admin_headers())  # fmt: skip
+    r = server.http.put(
+        "/admin/tenants/tenant-a/cuda-graph", json={"cuda_graph": False}, headers=server.admin_headers()
+    )
     assert r.status_code == 200, r.text
 
     before = settled(disabled_rows)  # only tenant-a decodes from here on

@@ -67,8 +67,14 @@ class Client(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": self.server.model, "prompt": "Hello", "max_tokens": self.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": self.stream}  # fmt: skip
+        body = {
+            "model": self.server.model,
+            "prompt": "Hello",
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": self.stream,
+        }
         try:
             with httpx.Client(base_url=self.server.base_url, timeout=120) as http:
                 if not self.stream:
@@ -123,8 +129,11 @@ def test_killed_engine_restarts_in_place_and_loses_no_waiting_request(server):
     (pid,) = engine_pids()
     plain = Client(server, stream=False)
     plain.start()  # first in line: it is decoding when the kill comes
-    wait_for(lambda: server.replica_status()["stats"]["prefill_steps"] > before["stats"]["prefill_steps"], 30,
-             what="the plain request to start decoding")  # fmt: skip
+    wait_for(
+        lambda: server.replica_status()["stats"]["prefill_steps"] > before["stats"]["prefill_steps"],
+        30,
+        what="the plain request to start decoding",
+    )
     streams = [Client(server, stream=True) for _ in range(STREAMS)]
     for client in streams:
         client.start()
@@ -132,8 +141,12 @@ def test_killed_engine_restarts_in_place_and_loses_no_waiting_request(server):
     decoding = [c for c in streams if c.had_text.is_set()]
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_for(lambda: server.complete().status_code == 200, RECOVERY_TARGET_S, interval=0.2,
-             what="/v1 serving again after the kill")  # fmt: skip
+    wait_for(
+        lambda: server.complete().status_code == 200,
+        RECOVERY_TARGET_S,
+        interval=0.2,
+        what="/v1 serving again after the kill",
+    )
     recovery_s = time.monotonic() - killed_at
     for client in [plain, *streams]:
         client.join(120)

@@ -46,8 +46,11 @@ def app(tmp_path_factory):
 def alone(base, adapter: tuple[str, str] | None) -> str:
     config = EngineConfig(model=str(base), max_model_len=MAX_MODEL_LEN, device="cpu", lora=LoraLimits(2, 8))
     engine, tokenizer = LLMEngine.from_config(config)
-    seq = engine.add_request(tokenizer(PROMPT)["input_ids"], SamplingParams(max_tokens=TOKENS, temperature=0.0,
-                             ignore_eos=True), adapter=adapter)  # fmt: skip
+    seq = engine.add_request(
+        tokenizer(PROMPT)["input_ids"],
+        SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True),
+        adapter=adapter,
+    )
     while engine.has_work():
         engine.step()
     return tokenizer.decode(seq.output_ids, skip_special_tokens=True)
@@ -58,8 +61,9 @@ def client(server) -> openai.OpenAI:
 
 
 def complete(server, model: str) -> str:
-    out = client(server).completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+    out = client(server).completions.create(
+        model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.model == model
     return out.choices[0].text
 
@@ -76,8 +80,9 @@ def test_the_openai_client_picks_an_adapter_by_model_name(app):
     with_adapter, plain = complete(server, "greet"), complete(server, MODEL)
     assert with_adapter == alone(base, ("greet", adapters["greet"]))
     assert plain == alone(base, None) and plain != with_adapter
-    stream = client(server).chat.completions.create(model="greet", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=4, stream=True)  # fmt: skip
+    stream = client(server).chat.completions.create(
+        model="greet", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
     assert all(chunk.model == "greet" for chunk in stream)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         complete(server, "no-such-adapter")
@@ -107,8 +112,15 @@ def test_operators_add_and_remove_adapters_under_load(app):
         assert added.status_code == 201, added.text
         assert added.json()["added_by"] == "admin" and added.json()["checked_by"]["slot"] in (1, 2)
         assert complete(server, "late") == alone(base, ("late", adapters["late"]))
-        listed = wait_for(lambda: (b := admin(server, "GET", "/admin/lora-adapters").json()) and
-                          all(a["replicas"] for a in b["adapters"]) and b, 20, what="both adapters held")  # fmt: skip
+        listed = wait_for(
+            lambda: (
+                (b := admin(server, "GET", "/admin/lora-adapters").json())
+                and all(a["replicas"] for a in b["adapters"])
+                and b
+            ),
+            20,
+            what="both adapters held",
+        )
         assert {a["name"]: a["source"] for a in listed["adapters"]} == {"greet": "config", "late": "admin"}
         assert listed["lora"]["max_loras"] == 2
         assert admin(server, "DELETE", "/admin/lora-adapters/greet").status_code == 409  # the config's

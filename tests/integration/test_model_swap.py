@@ -55,8 +55,12 @@ def engine_alone(path) -> list[str]:
 def app(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap")
     paths = write_checkpoints(tmp)
-    args = {"model": str(paths["v1"]), "served_model_name": MODEL, "model_revision": "v1",
-            "autoscaling": {"min_replicas": 2, "max_replicas": 2}}  # fmt: skip
+    args = {
+        "model": str(paths["v1"]),
+        "served_model_name": MODEL,
+        "model_revision": "v1",
+        "autoscaling": {"min_replicas": 2, "max_replicas": 2},
+    }
     with running_app(tmp, name="swap", args=args, admin_token=ADMIN_TOKEN) as server:
         wait_for(lambda: len(ready_replicas(server)) == 2, 120, what="two READY replicas")
         yield server, paths
@@ -86,8 +90,14 @@ class Load:
 
     def _run(self, stream: bool) -> None:
         while not self.stop.is_set():
-            body = {"model": MODEL, "prompt": "Load", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                    "stream": stream}  # fmt: skip
+            body = {
+                "model": MODEL,
+                "prompt": "Load",
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": stream,
+            }
             r = self.server.http.post("/v1/completions", json=body, headers=self.server.key_headers())
             events = json_events(r.text.splitlines()) if stream and r.status_code == 200 else []
             if r.status_code != 200 or any("error" in e for e in events):
@@ -111,8 +121,12 @@ def swap_to(server, path, revision: str | None) -> dict:
     assert r.status_code == 202, r.text
     started = r.json()
     assert started["phase"] == "Progressing" and len(started["order"]) == 2
-    return wait_for(lambda: (m := model_view(server))["swap"]["phase"] != "Progressing" and m, 300,
-                    interval=0.2, what="the swap to finish")  # fmt: skip
+    return wait_for(
+        lambda: (m := model_view(server))["swap"]["phase"] != "Progressing" and m,
+        300,
+        interval=0.2,
+        what="the swap to finish",
+    )
 
 
 def model_view(server) -> dict:
@@ -136,7 +150,10 @@ def test_swaps_under_load(app):
     assert load.failures == [] and load.done > 0, load.failures[:3]
     assert {p["path"] for p in view["swap"]["replicas"].values()} == {"in_place"}
     assert [s["step"] for p in view["swap"]["replicas"].values() for s in p["steps"]] == [
-        "draining", "loading", "serving"] * 2  # fmt: skip
+        "draining",
+        "loading",
+        "serving",
+    ] * 2
     assert revisions(server) == ["v2", "v2"]
     assert served(server) == engine_alone(paths["v2"])
     (card,) = server.http.get("/v1/models", headers=server.key_headers()).json()["data"]

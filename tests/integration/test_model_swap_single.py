@@ -31,8 +31,12 @@ def admin(server, method: str, path: str, body: dict | None = None):
 
 
 def finished_swap(server) -> dict:
-    return wait_for(lambda: (s := admin(server, "GET", "/admin/model").json()["swap"])["phase"] != "Progressing" and s,
-                    120, interval=0.1, what="the swap to finish")  # fmt: skip
+    return wait_for(
+        lambda: (s := admin(server, "GET", "/admin/model").json()["swap"])["phase"] != "Progressing" and s,
+        120,
+        interval=0.1,
+        what="the swap to finish",
+    )
 
 
 def test_requests_during_a_swap_wait_and_are_served(app):
@@ -76,14 +80,20 @@ def test_a_graph_policy_rebuild_and_the_bucket_recommendation(app):
     for query in ("0", "abc", "65", "²", "9" * 5000):
         assert admin(server, "GET", f"/admin/buckets/recommendation?max_buckets={query}").status_code == 400
 
-    threads = [threading.Thread(target=server.complete, kwargs={"prompt": "x" * (i + 1), "max_tokens": 24})
-               for i in range(5)]  # fmt: skip
+    threads = [
+        threading.Thread(target=server.complete, kwargs={"prompt": "x" * (i + 1), "max_tokens": 24}) for i in range(5)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    rec = wait_for(lambda: (r := admin(server, "GET", "/admin/buckets/recommendation?max_buckets=3")).status_code
-                   == 200 and r.json(), 30, what="a recommendation")  # fmt: skip
+    rec = wait_for(
+        lambda: (
+            (r := admin(server, "GET", "/admin/buckets/recommendation?max_buckets=3")).status_code == 200 and r.json()
+        ),
+        30,
+        what="a recommendation",
+    )
     seen = {int(s) for s in rec["batch_sizes"]}
     assert set(rec["recommended"]["buckets"]) <= seen and max(rec["recommended"]["buckets"]) == max(seen)
     assert len(rec["recommended"]["buckets"]) <= 3 and rec["recommended"]["graph_hit_rate"] == 1.0

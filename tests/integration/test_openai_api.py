@@ -257,8 +257,9 @@ def test_chat_logprobs(server, client):
     """logprobs with top_logprobs: chat's content list, each token with its bytes and alternatives;
     without logprobs, none."""
     messages = [{"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0,
-                                       logprobs=True, top_logprobs=2)  # fmt: skip
+    r = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for entry in content:
@@ -267,8 +268,9 @@ def test_chat_logprobs(server, client):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
     plain = client.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
-    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0,
-                                            logprobs=True, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=6, temperature=0, logprobs=True, stream=True
+    )
     entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in content] and all(e.top_logprobs == [] for e in entries)
 
@@ -279,8 +281,15 @@ def test_n_choices(server, client):
     to the same texts; greedy n=2 gives two equal choices."""
 
     def ask(n: int):
-        return client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7,
-                                         n=n, extra_body={"ignore_eos": True})  # fmt: skip
+        return client.completions.create(
+            model=server.model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=1.0,
+            seed=7,
+            n=n,
+            extra_body={"ignore_eos": True},
+        )
 
     r = ask(3)
     texts = [c.text for c in r.choices]
@@ -289,9 +298,17 @@ def test_n_choices(server, client):
     assert ask(1).choices[0].text == texts[0]
     assert r.usage.prompt_tokens == byte_prompt_tokens(PROMPT) and r.usage.completion_tokens == 36
     assert r.usage.total_tokens == r.usage.prompt_tokens + 36
-    stream = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7,
-                                       n=3, stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     by_index = {
         i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)
@@ -300,8 +317,9 @@ def test_n_choices(server, client):
     finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finishes) == [0, 1, 2]
     assert chunks[-1].usage.completion_tokens == 36 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
-    greedy = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=5, temperature=0, n=2)  # fmt: skip
+    greedy = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, n=2
+    )
     assert [c.index for c in greedy.choices] == [0, 1]
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
 
@@ -309,19 +327,33 @@ def test_n_choices(server, client):
 def test_penalties_and_logit_bias(server, client, greedy):
     """logit_bias +100 forces its token; -100 on the greedy text's first token moves the first token
     off it; strong penalties (and vLLM's repetition_penalty) change the greedy text."""
-    forced = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=5, temperature=0.8, seed=1,
-                                       logit_bias={"65": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    forced = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0.8,
+        seed=1,
+        logit_bias={"65": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert forced.choices[0].text == "AAAAA"
     first = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1)
     token = first.choices[0].logprobs.tokens[0]
     token_id = ord(token) if len(token) == 1 and token.isascii() else None
     if token_id is not None:  # byte-level: an ASCII token string is its own id
-        banned = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1, temperature=0,
-                                           logit_bias={str(token_id): -100})  # fmt: skip
+        banned = client.completions.create(
+            model=server.model, prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={str(token_id): -100}
+        )
         assert banned.choices[0].text != first.choices[0].text
-    penalized = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0,
-                                          presence_penalty=2, frequency_penalty=2,
-                                          extra_body={"repetition_penalty": 2.0})  # fmt: skip
+    penalized = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        presence_penalty=2,
+        frequency_penalty=2,
+        extra_body={"repetition_penalty": 2.0},
+    )
     assert penalized.choices[0].text != greedy.choices[0].text
 
 
@@ -333,8 +365,9 @@ def test_openapi_lists_the_request_models_and_bad_requests_stay_openai_400s(serv
     assert {"CompletionRequest", "ChatRequest", "ChatMessage"} <= set(components)
     ref = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert ref == {"$ref": "#/components/schemas/ChatRequest"}
-    r = server.http.post("/v1/chat/completions", json={**_body(server, "chat", {}), "n": "two"},
-                         headers=server.key_headers())  # fmt: skip
+    r = server.http.post(
+        "/v1/chat/completions", json={**_body(server, "chat", {}), "n": "two"}, headers=server.key_headers()
+    )
     assert assert_openai_error(r, 400, "n")["param"] == "n"
 
 

@@ -82,8 +82,11 @@ def test_restarts_serve_what_the_configuration_asks_for(tmp_path):
         (card,) = get(s, "/v1/models", admin=False)["data"]
         assert (card["id"], card["root"]) == ("v1", str(paths["v1"]))
         assert texts(s, "v1") == engine_alone(paths["v1"])
-        wait_for(lambda: any(a["action"] == "model_fallback" for a in get(s, "/admin/audit")["audit"]), 10,
-                 what="the fallback in the audit log")  # fmt: skip
+        wait_for(
+            lambda: any(a["action"] == "model_fallback" for a in get(s, "/admin/audit")["audit"]),
+            10,
+            what="the fallback in the audit log",
+        )
         assert not any(a["action"] == "archive_swap_state" for a in get(s, "/admin/audit")["audit"])
 
         # Another configured model (a config update; the controller lives on): the swap state made

@@ -45,10 +45,20 @@ def requests(stop: str | None = None) -> dict[str, dict]:
     bodies["plain-greedy"] = {"prompt": "Plain", "stream": False, "temperature": 0}
     bodies["plain-seeded"] = {"prompt": "Plain seeded", "stream": False, "temperature": 1.0, "seed": 5}
     for i in range(CHOICE_REQUESTS):
-        bodies[f"choices-{i}"] = {"prompt": f"Choices {i}:", "stream": i % 2 == 0, "n": 3, "temperature": 0.9,
-                                  "seed": 300 + i}  # fmt: skip
-    bodies[UNSEEDED] = {"model": ADAPTER, "prompt": "Unseeded", "stream": True, "temperature": 1.0,
-                        "max_tokens": 4 * MAX_TOKENS}  # fmt: skip
+        bodies[f"choices-{i}"] = {
+            "prompt": f"Choices {i}:",
+            "stream": i % 2 == 0,
+            "n": 3,
+            "temperature": 0.9,
+            "seed": 300 + i,
+        }
+    bodies[UNSEEDED] = {
+        "model": ADAPTER,
+        "prompt": "Unseeded",
+        "stream": True,
+        "temperature": 1.0,
+        "max_tokens": 4 * MAX_TOKENS,
+    }
     if stop is not None:
         bodies["stop"] = {**bodies["greedy-0"], "stop": [stop]}
     return {name: {"model": MODEL, "max_tokens": MAX_TOKENS, "ignore_eos": True, **b} for name, b in bodies.items()}
@@ -60,9 +70,14 @@ def server(tmp_path_factory):
     tokenizer = build_byte_tokenizer()
     base = write_checkpoint(tmp / "base", tiny_hf_config(len(tokenizer)), tokenizer, seed=3)
     adapter = adapter_for(base, tmp / ADAPTER, seed=1, r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    args = {"model": str(base), "served_model_name": MODEL, "max_model_len": 5 * MAX_TOKENS,
-            "autoscaling": {"min_replicas": 2, "max_replicas": 2},
-            "lora": {"max_loras": 2, "max_lora_rank": 8}, "lora_modules": {ADAPTER: str(adapter)}}  # fmt: skip
+    args = {
+        "model": str(base),
+        "served_model_name": MODEL,
+        "max_model_len": 5 * MAX_TOKENS,
+        "autoscaling": {"min_replicas": 2, "max_replicas": 2},
+        "lora": {"max_loras": 2, "max_lora_rank": 8},
+        "lora_modules": {ADAPTER: str(adapter)},
+    }
     with running_app(tmp, name=APP, admin_token="admin-failover", args=args) as s:
         wait_for(lambda: len(ready_replicas(s)) == 2, 120, interval=0.5, what="both replicas READY")
         yield s
@@ -182,8 +197,11 @@ def test_streams_continue_on_the_other_replica_when_an_engine_dies(server):
     del bodies[UNSEEDED]  # its seed is drawn anew each time: checked against itself below
     reference = {name: c.result() for name, c in finish(run_all(server, bodies)).items()}
     text0 = reference["greedy-0"][0]
-    stop = next(text0[i : i + 4] for i in range(len(text0) * 2 // 3, len(text0) - 4)
-                if "\ufffd" not in text0[i : i + 4] and text0.find(text0[i : i + 4]) > len(text0) // 2)  # fmt: skip
+    stop = next(
+        text0[i : i + 4]
+        for i in range(len(text0) * 2 // 3, len(text0) - 4)
+        if "\ufffd" not in text0[i : i + 4] and text0.find(text0[i : i + 4]) > len(text0) // 2
+    )
     reference["stop"] = finish(run_all(server, {"stop": requests(stop)["stop"]}))["stop"].result()
     assert reference["stop"][1] == "stop" and text0.startswith(reference["stop"][0])
     reference_s = time.monotonic() - started
@@ -195,8 +213,12 @@ def test_streams_continue_on_the_other_replica_when_an_engine_dies(server):
     victim = wait_for(lambda: adapter_replica(server), 20, interval=0.1, what="the unseeded stream's replica")
     pid = engine_pid(victim)
     clients |= run_all(server, bodies)
-    wait_for(lambda: all(c.had_text.is_set() for c in clients.values() if c.body["stream"]), 60, interval=0.01,
-             what="every stream under way")  # fmt: skip
+    wait_for(
+        lambda: all(c.had_text.is_set() for c in clients.values() if c.body["stream"]),
+        60,
+        interval=0.01,
+        what="every stream under way",
+    )
     os.kill(pid, signal.SIGKILL)
     in_flight = [name for name, c in clients.items() if c.had_text.is_set() and not c.done.is_set()]
     killed_at = time.monotonic()
@@ -220,5 +242,7 @@ def test_streams_continue_on_the_other_replica_when_an_engine_dies(server):
     hit = failed(statuses[victim], before[victim], "tenant-a")
     assert failed(statuses[victim], before[victim], "tenant-b") == 1 and hit >= 1, outcomes(statuses[victim])
     assert not any(outcome == "engine_failed" for _, outcome in outcomes(statuses[other]))
-    print(f"reference runs {reference_s:.1f} s, failover run {failover_s:.1f} s after the kill, "
-          f"{len(in_flight)} requests in flight, {hit + 1} failed over")  # fmt: skip
+    print(
+        f"reference runs {reference_s:.1f} s, failover run {failover_s:.1f} s after the kill, "
+        f"{len(in_flight)} requests in flight, {hit + 1} failed over"
+    )

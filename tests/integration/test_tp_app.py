@@ -44,9 +44,14 @@ async def streamed_texts(server) -> list[tuple[str, int]]:
 
     async def one(prompt: str) -> tuple[str, int]:
         stream = await client.completions.create(
-            model=server.model, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model=server.model,
+            prompt=prompt,
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, tokens = "", 0
         async for chunk in stream:
             if chunk.choices:
@@ -61,8 +66,11 @@ async def streamed_texts(server) -> list[tuple[str, int]]:
 def shard_actors() -> list[str]:
     """Class names of the live shard actors (Ray's state API needs the dashboard, which these tests
     do not start; the GCS actor table does not)."""
-    return [a["ActorClassName"] for a in ray._private.state.actors().values()
-            if a["State"] == "ALIVE" and a["ActorClassName"] == "ShardWorker"]  # fmt: skip
+    return [
+        a["ActorClassName"]
+        for a in ray._private.state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] == "ShardWorker"
+    ]
 
 
 def test_tp2_app_streams_what_one_process_generates(server):

@@ -22,8 +22,15 @@ ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 def app(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp-swap")
     paths = write_checkpoints(tmp)
-    args = {"model": str(paths["v1"]), "served_model_name": MODEL, "model_revision": "v1", "accelerator": "cpu",
-            "tensor_parallel_size": 2, "shard_num_cpus": 0.5, "max_model_len": MAX_MODEL_LEN}  # fmt: skip
+    args = {
+        "model": str(paths["v1"]),
+        "served_model_name": MODEL,
+        "model_revision": "v1",
+        "accelerator": "cpu",
+        "tensor_parallel_size": 2,
+        "shard_num_cpus": 0.5,
+        "max_model_len": MAX_MODEL_LEN,
+    }
     with running_app(tmp, name="tpswap", args=args, admin_token=ADMIN_TOKEN) as server:
         server.wait_ready(120)
         yield server, paths
@@ -32,8 +39,12 @@ def app(tmp_path_factory):
 def swap(server, method: str, route: str, body: dict) -> dict:
     r = server.http.request(method, route, json=body, headers=server.admin_headers())
     assert r.status_code == 202, r.text
-    return wait_for(lambda: (s := model_view(server)["swap"])["phase"] != "Progressing" and s, 240,
-                    interval=0.2, what="the swap to finish")  # fmt: skip
+    return wait_for(
+        lambda: (s := model_view(server)["swap"])["phase"] != "Progressing" and s,
+        240,
+        interval=0.2,
+        what="the swap to finish",
+    )
 
 
 def model_view(server) -> dict:

@@ -139,8 +139,12 @@ def test_objects_embedded_in_the_rayservice_validate(target, rendered):
     kv = kubernetes_validate()
     docs = rendered[target]
     for node_type, group in m.groups(docs):
-        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": node_type},
-                    "template": group["template"]}  # fmt: skip
+        template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": node_type},
+            "template": group["template"],
+        }
         validate_core(kv, template, f"{target} {node_type} group")
     serve_service = m.rayservice(docs)["spec"]["serveService"]
     validate_core(kv, {"apiVersion": "v1", "kind": "Service", **serve_service}, f"{target} serveService")

@@ -180,8 +180,12 @@ def test_lora_config_reaches_the_engine_and_bad_lora_settings_are_named():
     from app.replica import engine_config
 
     assert engine_config(AppConfig.from_args({})).lora is None  # absent: LoRA off
-    config = AppConfig.from_args({"lora": {"max_loras": 4, "max_lora_rank": 16, "target_modules": ["q_proj"]},
-                                  "lora_modules": {"sql-v1": "/adapters/sql"}})  # fmt: skip
+    config = AppConfig.from_args(
+        {
+            "lora": {"max_loras": 4, "max_lora_rank": 16, "target_modules": ["q_proj"]},
+            "lora_modules": {"sql-v1": "/adapters/sql"},
+        }
+    )
     limits = engine_config(config).lora
     assert (limits.max_loras, limits.max_lora_rank, limits.target_modules) == (4, 16, ("q_proj",))
     assert AppConfig.from_args({"lora": {}}).lora.max_loras == 8

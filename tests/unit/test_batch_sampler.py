@@ -84,8 +84,13 @@ def test_invalid_penalty_bias_and_logprob_params_rejected(kwargs):
 
 
 def test_boundary_penalty_params_accepted():
-    SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3,
-                   logit_bias=((0, -100.0), (7, 100.0)), logprobs=20)  # fmt: skip
+    SamplingParams(
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=1e-3,
+        logit_bias=((0, -100.0), (7, 100.0)),
+        logprobs=20,
+    )
     assert SamplingParams(logprobs=0).logprobs == 0
     assert SamplingParams(repetition_penalty=1.2).penalized and SamplingParams(presence_penalty=-0.1).penalized
     assert not SamplingParams(logit_bias=((1, 5.0),), logprobs=3).penalized
@@ -158,8 +163,12 @@ def test_token_logprobs_are_log_softmax():
 
 
 def penalized_params(rng: random.Random, **extra) -> SamplingParams:
-    return SamplingParams(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
-                          repetition_penalty=rng.choice([0.7, 1.5, 2.0]), **extra)  # fmt: skip
+    return SamplingParams(
+        presence_penalty=rng.uniform(-2, 2),
+        frequency_penalty=rng.uniform(-2, 2),
+        repetition_penalty=rng.choice([0.7, 1.5, 2.0]),
+        **extra,
+    )
 
 
 def test_batch_sampler_penalizes_each_row_from_its_own_history():
@@ -185,8 +194,14 @@ def test_batch_sampler_penalizes_each_row_from_its_own_history():
         for i, seq in enumerate(seqs):
             p = seq.params
             if p.penalized:
-                ref = reference_penalties(logits[i].tolist(), seq.prompt_ids, seq.output_ids, p.presence_penalty,
-                                          p.frequency_penalty, p.repetition_penalty)  # fmt: skip
+                ref = reference_penalties(
+                    logits[i].tolist(),
+                    seq.prompt_ids,
+                    seq.output_ids,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                    p.repetition_penalty,
+                )
                 ref = torch.tensor(ref, dtype=torch.float32)
             else:
                 ref = logits[i]
@@ -197,8 +212,10 @@ def test_batch_sampler_penalizes_each_row_from_its_own_history():
             seq.output_ids.append(drawn[i])
         for seq in seqs:
             if seq.params.penalized:
-                assert sampler.counts[seq.slot].tolist() == torch.bincount(torch.tensor(seq.output_ids),
-                                                                           minlength=V).float().tolist()  # fmt: skip
+                assert (
+                    sampler.counts[seq.slot].tolist()
+                    == torch.bincount(torch.tensor(seq.output_ids), minlength=V).float().tolist()
+                )
                 assert set(sampler.in_prompt[seq.slot].nonzero().flatten().tolist()) == set(seq.prompt_ids)
 
 
@@ -240,8 +257,10 @@ def test_logit_bias_bans_and_forces():
     assert sampler.sample(logits, [banned])[0] == [top2[1]]
     target = int(logits[0].argmin())
     n = 200
-    forced = [seq_with([1], [], SamplingParams(temperature=1.0, seed=s, logit_bias=((target, 100.0),), logprobs=1), 0)
-              for s in range(n)]  # fmt: skip
+    forced = [
+        seq_with([1], [], SamplingParams(temperature=1.0, seed=s, logit_bias=((target, 100.0),), logprobs=1), 0)
+        for s in range(n)
+    ]
     drawn, logprobs = sampler.sample(logits.expand(n, V), forced)
     assert drawn == [target] * n
     assert all(lp.logprob > -1e-3 and lp.top[0][0] == target for lp in logprobs)

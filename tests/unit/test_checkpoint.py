@@ -79,8 +79,13 @@ def test_unsupported_rope_type(tmp_path):
 
 def test_rope_v4_and_v5_spellings_parse_alike():
     """`rope_theta` + `rope_scaling` (transformers v4) and `rope_parameters` (v5) give one config."""
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}  # fmt: skip
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     base = {k: v for k, v in tiny_hf_config(261).items() if k != "rope_parameters"}
     v4 = parse_config({**base, "rope_theta": 500000.0, "rope_scaling": scaling})
     v5 = parse_config({**base, "rope_parameters": {**scaling, "rope_theta": 500000.0}})

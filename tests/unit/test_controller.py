@@ -34,8 +34,15 @@ def test_state_survives_a_restart(tmp_path):
     second = GraphController(str(path), INITIAL)
     assert snapshot(second) == snapshot(first)
     assert second.toggles == {"tenant-a": False, "tenant-b": False}
-    assert second.audit[-1] | {"time": 0} == {"time": 0, "actor": "alice", "client": "10.0.0.1", "tenant": "tenant-a",
-                                             "action": "set_cuda_graph", "before": True, "after": False}  # fmt: skip
+    assert second.audit[-1] | {"time": 0} == {
+        "time": 0,
+        "actor": "alice",
+        "client": "10.0.0.1",
+        "tenant": "tenant-a",
+        "action": "set_cuda_graph",
+        "before": True,
+        "after": False,
+    }
     assert files(tmp_path) == {"state.json"}
 
 
@@ -66,7 +73,7 @@ def test_state_survives_a_restart(tmp_path):
         "audit-not-list",
         "version-negative",
         "version-string",
-    ],  # fmt: skip
+    ],
 )
 def test_a_bad_state_file_is_kept_aside_and_the_config_used(tmp_path, caplog, content, reason):
     """Corrupt JSON or JSON of the wrong shape: the actor starts from the config's toggles (it must
@@ -207,7 +214,9 @@ def test_lora_adapters_are_persisted_audited_and_a_failed_write_registers_nothin
     restarted = GraphController(str(path), INITIAL)
     assert restarted.get_lora_adapters()["sql"]["path"] == "/adapters/sql-v2"
     assert [(a["action"], a["actor"], a.get("replaced_path")) for a in restarted.audit] == [
-        ("add_lora_adapter", "alice", None), ("add_lora_adapter", "bob", "/adapters/sql")]  # fmt: skip
+        ("add_lora_adapter", "alice", None),
+        ("add_lora_adapter", "bob", "/adapters/sql"),
+    ]
     assert c.tenant("tenant-a")["updated_by"] is None  # adapter entries name no tenant
 
     def full(src, dst):

@@ -15,8 +15,11 @@ from app.controller import GraphController, signals_from_statuses
 
 INITIAL = {"tenant-a": True, "tenant-b": True}
 GUARDS = {"interval_s": 0.05, "min_samples": 10, "failure_limit": 2, "max_tpot_ratio": 1.1}
-PLAN = {"steps": [{"percent": 10, "hold_s": 0}, {"percent": 50, "hold_s": 3600}, {"percent": 100}], "unit": "request",
-        "guards": GUARDS}  # fmt: skip
+PLAN = {
+    "steps": [{"percent": 10, "hold_s": 0}, {"percent": 50, "hold_s": 3600}, {"percent": 100}],
+    "unit": "request",
+    "guards": GUARDS,
+}
 
 
 def replica_status(n: int, graph_step_s: float = 0.01, mismatches: int = 0, errors: int = 0) -> dict:
@@ -24,12 +27,21 @@ def replica_status(n: int, graph_step_s: float = 0.01, mismatches: int = 0, erro
     cohort = lambda step_s, errs: {"rows": 100 * n, "fallback_rows": 0, "calls": {"8": [20 * n, step_s * 20 * n]}}  # noqa: E731
     return {
         "state": "READY",
-        "stats": {"cohorts": {"graph": cohort(graph_step_s, errors), "holdback": cohort(0.01, 0)},
-                  "shadow": {"checks": n, "mismatches": mismatches,
-                             "last_mismatch": "decode_bs_8: max |diff| 2.5 over 3 rows" if mismatches else None}},
-        "requests": {"cohorts": {"graph": {"requests": 20 * n, "errors": errors * n},
-                                 "holdback": {"requests": 20 * n, "errors": 0}}},
-    }  # fmt: skip
+        "stats": {
+            "cohorts": {"graph": cohort(graph_step_s, errors), "holdback": cohort(0.01, 0)},
+            "shadow": {
+                "checks": n,
+                "mismatches": mismatches,
+                "last_mismatch": "decode_bs_8: max |diff| 2.5 over 3 rows" if mismatches else None,
+            },
+        },
+        "requests": {
+            "cohorts": {
+                "graph": {"requests": 20 * n, "errors": errors * n},
+                "holdback": {"requests": 20 * n, "errors": 0},
+            }
+        },
+    }
 
 
 def make(tmp_path) -> GraphController:

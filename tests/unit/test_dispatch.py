@@ -169,9 +169,12 @@ def test_every_table_reason_is_reachable(tiny):
     seen = {R.UNAVAILABLE}
     # Capture 16 (ready), 8 (fails), 4 (ready, then fails verification), 2 (ready), 1 (over max_cached_graphs).
     runner = EagerGraphRunner(
-        model, model.make_kv_cache(4), GraphPolicy(decode_batch_buckets=(1, 2, 4, 8, 16), max_cached_graphs=3),
-        faults={4: slots_rolled(model)}, fail=frozenset({8}),
-    )  # fmt: skip
+        model,
+        model.make_kv_cache(4),
+        GraphPolicy(decode_batch_buckets=(1, 2, 4, 8, 16), max_cached_graphs=3),
+        faults={4: slots_rolled(model)},
+        fail=frozenset({8}),
+    )
     runner.prepare()
     assert runner.table.ready == {2, 16} and runner.table.dispatch(2).reason is None
     reasons = [runner.table.dispatch(n).reason for n in (1, 3, 5, 17)]

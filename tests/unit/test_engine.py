@@ -436,8 +436,12 @@ async def test_mixed_cancel_break_and_stop_leak_nothing(tiny, start):
 
     async def client(i: int) -> None:
         p = prompt(rng, rng.randint(2, 20))
-        params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]), seed=i,
-                                stop=rng.choice([(), ("a",), ("\x00", "e")]))  # fmt: skip
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 30),
+            temperature=rng.choice([0.0, 1.0]),
+            seed=i,
+            stop=rng.choice([(), ("a",), ("\x00", "e")]),
+        )
         stream = runner.submit(p, params)
         mode = i % 3
         if mode == 0:
@@ -605,11 +609,22 @@ def test_rollout_cohorts_are_counted_apart(tiny):
 def penalized_requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
     """Greedy and seeded sampled requests with strong penalties (and some with a logit_bias)."""
     rng = random.Random(seed)
-    return [(prompt(rng, rng.randint(2, 20)),
-             SamplingParams(max_tokens=rng.randint(10, 30), temperature=rng.choice([0.0, 0.9]), seed=i,
-                            ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0,
-                            logit_bias=((rng.randrange(256), 5.0),) if i % 2 else ()))
-            for i in range(n)]  # fmt: skip
+    return [
+        (
+            prompt(rng, rng.randint(2, 20)),
+            SamplingParams(
+                max_tokens=rng.randint(10, 30),
+                temperature=rng.choice([0.0, 0.9]),
+                seed=i,
+                ignore_eos=True,
+                presence_penalty=1.5,
+                frequency_penalty=0.5,
+                repetition_penalty=2.0,
+                logit_bias=((rng.randrange(256), 5.0),) if i % 2 else (),
+            ),
+        )
+        for i in range(n)
+    ]
 
 
 def test_penalized_requests_batched_and_preempted_match_solo_runs(tiny):
@@ -623,9 +638,16 @@ def test_penalized_requests_batched_and_preempted_match_solo_runs(tiny):
     assert engine.status().kv_cache["preemptions"] > 0
     for (p, params), s in zip(requests, seqs):
         assert (s.output_ids, s.finish_reason) == run_alone(tiny, p, params)
-    plain = [run_alone(tiny, p, SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                                               seed=params.seed, ignore_eos=True))[0]
-             for p, params in requests]  # fmt: skip
+    plain = [
+        run_alone(
+            tiny,
+            p,
+            SamplingParams(
+                max_tokens=params.max_tokens, temperature=params.temperature, seed=params.seed, ignore_eos=True
+            ),
+        )[0]
+        for p, params in requests
+    ]
     assert sum(s.output_ids != ids for s, ids in zip(seqs, plain)) >= 12
     greedy_plain = [ids for ids, (_, params) in zip(plain, requests) if params.greedy]
     greedy = [s.output_ids for s, (_, params) in zip(seqs, requests) if params.greedy]
@@ -648,9 +670,18 @@ def test_logprobs_are_log_softmax_of_the_engine_logits(tiny, monkeypatch):
 
     monkeypatch.setattr(engine.sampler, "sample", spy)
     rng = random.Random(10)
-    asked = [SamplingParams(max_tokens=8, temperature=0.0, logprobs=4, ignore_eos=True),
-             SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=0, ignore_eos=True, logit_bias=((65, 3.0),),
-                            frequency_penalty=1.0)]  # fmt: skip
+    asked = [
+        SamplingParams(max_tokens=8, temperature=0.0, logprobs=4, ignore_eos=True),
+        SamplingParams(
+            max_tokens=8,
+            temperature=1.0,
+            seed=3,
+            logprobs=0,
+            ignore_eos=True,
+            logit_bias=((65, 3.0),),
+            frequency_penalty=1.0,
+        ),
+    ]
     seqs = [engine.add_request(prompt(rng, 6), params) for params in asked]
     quiet = engine.add_request(prompt(rng, 6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     reported: dict[str, list] = {s.request_id: [] for s in [*seqs, quiet]}

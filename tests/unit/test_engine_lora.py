@@ -38,16 +38,17 @@ def adapters(tiny, tmp_path_factory) -> dict[str, str]:
         "attn": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
         "mlp": dict(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
     }
-    return {name: str(adapter_for(tiny.model_dir, root / name, seed=i + 1, **o)) for i, (name, o) in
-            enumerate(options.items())}  # fmt: skip
+    return {
+        name: str(adapter_for(tiny.model_dir, root / name, seed=i + 1, **o))
+        for i, (name, o) in enumerate(options.items())
+    }
 
 
 def lora_engine(tiny: Tiny, max_loras: int = 3, max_num_seqs: int = 4, **config) -> LLMEngine:
     """An engine over its own copy of the tiny model (LoRA slots change the model)."""
     model = load_model(tiny.model_dir, tiny.max_model_len)
     limits = LoraLimits(max_loras=max_loras, max_lora_rank=8, **config.pop("limits", {}))
-    cfg = EngineConfig(max_model_len=tiny.max_model_len, device="cpu", max_num_seqs=max_num_seqs, lora=limits,
-                       **config)  # fmt: skip
+    cfg = EngineConfig(max_model_len=tiny.max_model_len, device="cpu", max_num_seqs=max_num_seqs, lora=limits, **config)
     return LLMEngine(model, cfg, tiny.eos_token_ids)
 
 
@@ -172,11 +173,14 @@ def _nan(config, weights):
     return config, weights
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    (lambda c, w: ({**c, "r": 16}, w), "r: rank 16 is above max_lora_rank 8"),
-    (lambda c, w: ({**c, "use_dora": True}, w), "use_dora"),
-    (_nan, "NaN or inf"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda c, w: ({**c, "r": 16}, w), "r: rank 16 is above max_lora_rank 8"),
+        (lambda c, w: ({**c, "use_dora": True}, w), "use_dora"),
+        (_nan, "NaN or inf"),
+    ],
+)
 def test_what_cannot_be_served_is_refused_naming_why_and_the_engine_serves_on(tiny, adapters, tmp_path, change, field):
     engine = lora_engine(tiny)
     with pytest.raises(InvalidRequest, match=field):
@@ -190,8 +194,11 @@ def test_a_target_outside_the_slots_and_lora_off_are_refused(tiny, adapters):
     with pytest.raises(InvalidRequest, match=r"target_modules: \['down_proj', 'gate_proj'"):
         engine.add_request(PROMPTS[0], GREEDY, adapter=("all", adapters["all"]))
     assert run(engine, [(PROMPTS[0], "attn")], adapters)  # what fits the slots serves
-    off = LLMEngine(load_model(tiny.model_dir, tiny.max_model_len),
-                    EngineConfig(max_model_len=tiny.max_model_len, device="cpu"), tiny.eos_token_ids)  # fmt: skip
+    off = LLMEngine(
+        load_model(tiny.model_dir, tiny.max_model_len),
+        EngineConfig(max_model_len=tiny.max_model_len, device="cpu"),
+        tiny.eos_token_ids,
+    )
     with pytest.raises(InvalidRequest, match="LoRA is not enabled"):
         off.add_request(PROMPTS[0], GREEDY, adapter=("all", adapters["all"]))
     assert off.status().lora is None and off.model.lora is None and off.runners.lora is None

@@ -91,8 +91,16 @@ async def test_streams_match_the_in_process_engine(tiny, shared):
 async def test_penalties_and_logprobs_cross_the_pipe(tiny, shared):
     """A request with penalties, a logit_bias and logprobs streams from the child the tokens and,
     token by token, the logprobs the same request gets from an engine in this process."""
-    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, presence_penalty=1.0,
-                            repetition_penalty=1.3, logit_bias=((70, 4.0),), logprobs=3)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.8,
+        seed=5,
+        ignore_eos=True,
+        presence_penalty=1.0,
+        repetition_penalty=1.3,
+        logit_bias=((70, 4.0),),
+        logprobs=3,
+    )
     prompt = [BOS, 9, 8, 7]
     ids, logprobs = [], []
     async for event in shared.submit(prompt, params, coalescing=Coalescing(0.01)):

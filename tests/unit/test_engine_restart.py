@@ -137,8 +137,15 @@ async def test_dead_reader_makes_the_engine_dead_and_ends_streams(tiny):
 def test_child_environment_keeps_no_secret(tiny, monkeypatch):
     """The child gets paths and library settings, never the replica's secrets; checked on a real
     child's /proc environ as well as on the function."""
-    names = ("GRAPHSERVE_API_KEYS", "GRAPHSERVE_ADMIN_TOKEN", "GRAPHSERVE_ADMIN_TOKENS", "HF_TOKEN",
-             "AWS_SECRET_ACCESS_KEY", "RAY_AUTH_TOKEN", "MY_SERVICE_PASSWORD")  # fmt: skip
+    names = (
+        "GRAPHSERVE_API_KEYS",
+        "GRAPHSERVE_ADMIN_TOKEN",
+        "GRAPHSERVE_ADMIN_TOKENS",
+        "HF_TOKEN",
+        "AWS_SECRET_ACCESS_KEY",
+        "RAY_AUTH_TOKEN",
+        "MY_SERVICE_PASSWORD",
+    )
     secrets = {name: f"s3cret-{i}-do-not-leak" for i, name in enumerate(names)}
     kept = {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1", "HF_HOME": "/tmp/hf"}
     for name, value in {**secrets, **kept}.items():

@@ -79,8 +79,14 @@ def test_a_state_no_stream_could_be_in_is_refused(tiny):
     stops = ("abd",)
     good = IncrementalDetokenizer(tiny.tokenizer, stops)
     assert good.add(ids) == ("abc", False) and good.state() == DetokState(0, 5, "ab")
-    for bad in (DetokState(0, 6, "ab"), DetokState(3, 2, "ab"), DetokState(0, 5, "abd"), DetokState(0, 5, "b"),
-                DetokState(0, 5, "x"), DetokState("0", 5, "ab")):  # fmt: skip
+    for bad in (
+        DetokState(0, 6, "ab"),
+        DetokState(3, 2, "ab"),
+        DetokState(0, 5, "abd"),
+        DetokState(0, 5, "b"),
+        DetokState(0, 5, "x"),
+        DetokState("0", 5, "ab"),
+    ):
         with pytest.raises(ValueError):
             IncrementalDetokenizer.restore(tiny.tokenizer, stops, ids, bad)
     with pytest.raises(ValueError):  # without stop strings nothing is ever held back
@@ -156,8 +162,16 @@ async def test_a_continuation_with_nothing_left_to_generate_is_refused(tiny, run
 
 
 def chunk(ids: list[int], replica: str = "r1", seed: int = 9) -> dict:
-    return {"text": "x", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 0, "token_ids": ids,
-            "seed": seed, "detok": DetokState(0, len(ids), ""), "replica_id": replica}  # fmt: skip
+    return {
+        "text": "x",
+        "finish_reason": None,
+        "prompt_tokens": 3,
+        "completion_tokens": 0,
+        "token_ids": ids,
+        "seed": seed,
+        "detok": DetokState(0, len(ids), ""),
+        "replica_id": replica,
+    }
 
 
 ENGINE_DEAD = {"error": "the engine failed", "status": 503, "retry": True, "replica_id": "r1"}
@@ -232,8 +246,10 @@ async def test_the_router_never_offers_an_avoided_replica():
     preferences give, never one the request avoids; none when it avoids them all (Serve then backs
     off and asks again)."""
     ids = [FakeId(f"r{n}") for n in range(3)]
-    router = SimpleNamespace(curr_replicas={i: f"replica {i.unique_id}" for i in ids},
-                             apply_locality_routing=lambda pending_request: set(ids))  # fmt: skip
+    router = SimpleNamespace(
+        curr_replicas={i: f"replica {i.unique_id}" for i in ids},
+        apply_locality_routing=lambda pending_request: set(ids),
+    )
 
     def pending(avoid):
         return SimpleNamespace(args=[{"avoid": avoid}], metadata=SimpleNamespace(multiplexed_model_id=""))
@@ -289,8 +305,11 @@ def ingress(responses: list[FakeResponse], serving: set[str]):
     async def serving_now() -> set[str]:
         return serving
 
-    fake = SimpleNamespace(config=SimpleNamespace(swap_queue_timeout_s=1.0), llm=FakeHandle(responses),
-                           readiness=SimpleNamespace(serving=serving_now))  # fmt: skip
+    fake = SimpleNamespace(
+        config=SimpleNamespace(swap_queue_timeout_s=1.0),
+        llm=FakeHandle(responses),
+        readiness=SimpleNamespace(serving=serving_now),
+    )
     for name in ("_resumable", "_choices", "_first_item", "_fails_over"):
         setattr(fake, name, getattr(Ingress, name).__get__(fake))
     return fake
@@ -373,10 +392,13 @@ N_CHOICES = {"prompt": "hi", "n": 3, "sampling": {"seed": 7}}
 
 
 async def test_an_n_choice_request_goes_on_choice_by_choice_after_its_engine_fails():
-    first = FakeResponse([choice(0, [1]), choice(1, [5], seed=71), choice(2, [9], finish="length"), choice(0, [2]),
-                          ENGINE_DEAD])  # fmt: skip
-    going_on = {(1, 2): FakeResponse([choice(0, [3], "r2", "length")]),
-                (5,): FakeResponse([choice(0, [6], "r2", "length", seed=71)])}  # fmt: skip
+    first = FakeResponse(
+        [choice(0, [1]), choice(1, [5], seed=71), choice(2, [9], finish="length"), choice(0, [2]), ENGINE_DEAD]
+    )
+    going_on = {
+        (1, 2): FakeResponse([choice(0, [3], "r2", "length")]),
+        (5,): FakeResponse([choice(0, [6], "r2", "length", seed=71)]),
+    }
     fake = choices_ingress(first, going_on, {"r1", "r2"})
     items = [item async for item in fake._choices(N_CHOICES, None)]
     texts = {i: "".join(item["text"] for item in items if item["index"] == i) for i in range(3)}

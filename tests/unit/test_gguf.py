@@ -48,8 +48,9 @@ def test_smollm2_answers_like_transformers_on_the_same_file(smollm2):
     from transformers import AutoModelForCausalLM
 
     gguf, checkpoint = smollm2
-    engine, tokenizer = LLMEngine.from_config(EngineConfig(model=str(checkpoint), max_model_len=256, device="cpu",
-                                                           dtype="float32", max_num_seqs=1))  # fmt: skip
+    engine, tokenizer = LLMEngine.from_config(
+        EngineConfig(model=str(checkpoint), max_model_len=256, device="cpu", dtype="float32", max_num_seqs=1)
+    )
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
     seq = engine.add_request(list(prompt), SamplingParams(max_tokens=16, temperature=0.0))
     while engine.has_work():

@@ -53,9 +53,12 @@ def test_policy_is_frozen():
 def test_valid_non_default_values_accepted():
     """Boundary values that are allowed: zero graphs, zero budget, one bucket, compile with full."""
     p = GraphPolicy(
-        mode="piecewise", decode_batch_buckets=[3], max_cached_graphs=0, graph_memory_budget_mb=0,
+        mode="piecewise",
+        decode_batch_buckets=[3],
+        max_cached_graphs=0,
+        graph_memory_budget_mb=0,
         capture_on_startup=False,
-    )  # fmt: skip
+    )
     assert p.decode_batch_buckets == (3,) and p.max_cached_graphs == 0 and p.graph_memory_budget_mb == 0
     assert GraphPolicy(mode="full", compile=True).compile is True
     assert GraphPolicy(mode="eager").mode == "eager"
@@ -141,9 +144,12 @@ def test_load_from_yaml_section(tmp_path: Path):
         "  capture_on_startup: false\n"
     )
     expected = GraphPolicy(
-        mode="piecewise", decode_batch_buckets=(1, 3, 12), max_cached_graphs=2, graph_memory_budget_mb=512.5,
+        mode="piecewise",
+        decode_batch_buckets=(1, 3, 12),
+        max_cached_graphs=2,
+        graph_memory_budget_mb=512.5,
         capture_on_startup=False,
-    )  # fmt: skip
+    )
     assert load_policy(path) == expected
     assert load_policy(str(path)) == expected
     assert load_policy(path).decode_batch_buckets == (1, 3, 12)

@@ -109,8 +109,9 @@ def test_loading_a_slot_again_replaces_the_adapter_in_place(base, tmp_path):
     slots = ours.enable_lora(max_loras=1, max_rank=MAX_RANK)
     addresses = {k: (lin.a.data_ptr(), lin.b.data_ptr()) for k, lin in slots.linears.items()}
     for name in ("all", "attn"):
-        make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name, seed=9,
-                     **ADAPTERS[name])  # fmt: skip
+        make_adapter(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name, seed=9, **ADAPTERS[name]
+        )
         slots.load(1, load_adapter(tmp_path / name, name, cfg, MAX_RANK))
     assert {k: (lin.a.data_ptr(), lin.b.data_ptr()) for k, lin in slots.linears.items()} == addresses
     x = torch.randn(2, cfg.intermediate_size)
@@ -128,18 +129,28 @@ def test_weights_loaded_after_the_slots_reach_the_layers_gemm(base, tmp_path):
     load_weights(ours, other)
     x = torch.randn(3, ours.cfg.hidden_size)
     none = ours.lora.batch(torch.zeros(3, dtype=torch.long))
-    for mine, theirs in ((ours.layers[1].attn.qkv, fresh.layers[1].attn.qkv),
-                         (ours.layers[1].mlp.gate_up, fresh.layers[1].mlp.gate_up)):  # fmt: skip
+    for mine, theirs in (
+        (ours.layers[1].attn.qkv, fresh.layers[1].attn.qkv),
+        (ours.layers[1].mlp.gate_up, fresh.layers[1].mlp.gate_up),
+    ):
         want = theirs(x)
         assert torch.allclose(mine(x), want, rtol=1e-5, atol=1e-6)
         assert torch.allclose(mine(x, none), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"use_dora": True}, "use_dora"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"bias": "all"}, "bias"),
-    ({"r": 16}, "r"), ({"target_modules": ["embed_tokens"]}, "target_modules"), ({"peft_type": "IA3"}, "peft_type"),
-    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"), ({"lora_alpha": "x"}, "lora_alpha"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "bias"),
+        ({"r": 16}, "r"),
+        ({"target_modules": ["embed_tokens"]}, "target_modules"),
+        ({"peft_type": "IA3"}, "peft_type"),
+        ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+        ({"lora_alpha": "x"}, "lora_alpha"),
+    ],
+)
 def test_what_cannot_be_served_is_refused_naming_the_field(base, tmp_path, change, field):
     from transformers import AutoModelForCausalLM
 
@@ -181,8 +192,9 @@ def test_our_model_with_an_adapter_decodes_what_peft_decodes(base, tmp_path, nam
     from tests.unit.test_model_reference import hf_forward, prefill_one, rel_err
     from workers.modeling.checkpoint import load_model
 
-    peft_model = make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name,
-                              seed=11, **ADAPTERS[name])  # fmt: skip
+    peft_model = make_adapter(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name, seed=11, **ADAPTERS[name]
+    )
     ours = load_model(base, max_model_len=128)
     ours.enable_lora(max_loras=2, max_rank=MAX_RANK).load(2, load_adapter(tmp_path / name, name, ours.cfg, MAX_RANK))
     cache = ours.make_kv_cache(1)
@@ -197,8 +209,9 @@ def test_our_model_with_an_adapter_decodes_what_peft_decodes(base, tmp_path, nam
         tok = ref.argmax()
         tokens.append(tok.item())
         ref, past = hf_forward(peft_model.base_model.model, tok.view(1), past)
-        got = ours.decode(tok.view(1), torch.tensor([prompt.numel() + step]), torch.tensor([0]), cache,
-                          torch.tensor([2]))[0]  # fmt: skip
+        got = ours.decode(
+            tok.view(1), torch.tensor([prompt.numel() + step]), torch.tensor([0]), cache, torch.tensor([2])
+        )[0]
         assert rel_err(got, ref) <= 1e-4, f"decode logits differ at step {step}"
     with peft_model.disable_adapter():
         base_ref, _ = hf_forward(peft_model.base_model.model, prompt)
@@ -217,8 +230,12 @@ def test_a_prefill_mixing_three_adapters_and_none_equals_each_prompt_alone(base,
     ours = load_model(base, max_model_len=128)
     slots = ours.enable_lora(max_loras=3, max_rank=MAX_RANK)
     for slot, name in enumerate(ADAPTERS, 1):
-        make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / name, seed=slot,
-                     **ADAPTERS[name])  # fmt: skip
+        make_adapter(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+            tmp_path / name,
+            seed=slot,
+            **ADAPTERS[name],
+        )
         slots.load(slot, load_adapter(tmp_path / name, name, ours.cfg, MAX_RANK))
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, ours.cfg.vocab_size, (n,), generator=g) for n in (7, 3, 11, 5)]

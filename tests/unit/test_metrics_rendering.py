@@ -14,16 +14,26 @@ def families(text: bytes) -> dict:
 
 
 def test_shadow_verifications_and_rollout_series(tmp_path):
-    status = {"state": "READY", "stats": {"shadow": {"by_bucket": [
-        {"bucket_id": "decode_bs_8", "result": "match", "count": 41},
-        {"bucket_id": "decode_bs_8", "result": "mismatch", "count": 1},
-    ]}}}  # fmt: skip
+    status = {
+        "state": "READY",
+        "stats": {
+            "shadow": {
+                "by_bucket": [
+                    {"bucket_id": "decode_bs_8", "result": "match", "count": 41},
+                    {"bucket_id": "decode_bs_8", "result": "mismatch", "count": 1},
+                ]
+            }
+        },
+    }
     c = GraphController(str(tmp_path / "state.json"), {})
     c.start_rollout({"steps": [{"percent": 5, "hold_s": 60}, {"percent": 100}], "guards": {"failure_limit": 1}}, "a")
     c.rollout.guard_failures["tpot"] = 2
     got = families(render({"r1": status}, c.current_rollout()))
-    shadow = {(s.labels["result"], s.labels["bucket_id"], s.labels["replica"]): s.value
-              for s in got["graphserve_shadow_verifications"].samples if s.name.endswith("_total")}  # fmt: skip
+    shadow = {
+        (s.labels["result"], s.labels["bucket_id"], s.labels["replica"]): s.value
+        for s in got["graphserve_shadow_verifications"].samples
+        if s.name.endswith("_total")
+    }
     assert shadow == {("match", "decode_bs_8", "r1"): 41, ("mismatch", "decode_bs_8", "r1"): 1}
     assert [s.value for s in got["graphserve_rollout_percent"].samples] == [5.0]
     phases = {s.labels["phase"]: s.value for s in got["graphserve_rollout_phase"].samples}

@@ -17,8 +17,16 @@ PREVIOUS = {"model": "/ckpt/v1", "revision": "v1"}
 
 def started(replicas=("r1", "r2", "r3"), **settings) -> Swap:
     request = SwapRequest(model="/ckpt/v2", revision="v2", **settings)
-    return Swap.begin("swap-1", "model", request, {"model": "/ckpt/v2", "revision": "v2"}, PREVIOUS,
-                      list(replicas), "alice", now=100.0)  # fmt: skip
+    return Swap.begin(
+        "swap-1",
+        "model",
+        request,
+        {"model": "/ckpt/v2", "revision": "v2"},
+        PREVIOUS,
+        list(replicas),
+        "alice",
+        now=100.0,
+    )
 
 
 def test_replicas_swap_in_turn_and_the_swap_succeeds():
@@ -60,8 +68,9 @@ def test_a_replica_that_never_finishes_times_the_swap_out():
     assert "r2" in swap.check_timeouts(211.0) and swap.phase == SwapPhase.FAILED
 
 
-@pytest.mark.parametrize("body", [{}, {"model": ""}, {"model": 3}, {"model": "/x", "max_unavailable": 0},
-                                  {"model": "/x", "colour": "red"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "body", [{}, {"model": ""}, {"model": 3}, {"model": "/x", "max_unavailable": 0}, {"model": "/x", "colour": "red"}]
+)
 def test_bad_requests_are_refused_naming_the_field(tmp_path, body):
     c = GraphController(str(tmp_path / "state.json"), {})
     c.report("r1", {"state": "READY"})

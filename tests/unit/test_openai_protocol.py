@@ -158,9 +158,21 @@ def test_ints_are_numbers():
 def test_valid_values_pass():
     """The strict schema still takes every valid field."""
     req = ChatRequest.model_validate(
-        {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "seed": -1, "stop": ["a", "b"], "n": 1, "user": "u",
-         "logprobs": False, "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
-    )  # fmt: skip
+        {
+            **CHAT,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 3,
+            "seed": -1,
+            "stop": ["a", "b"],
+            "n": 1,
+            "user": "u",
+            "logprobs": False,
+            "max_completion_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     assert req.sampling()["max_tokens"] == 5 and req.sampling()["stop"] == ("a", "b")
     assert CompletionRequest.model_validate({**COMPLETION, "prompt": [1, 2], "echo": False}).prompt == [1, 2]
 
@@ -176,25 +188,44 @@ def test_stop_at_the_cap_is_accepted():
 def test_what_common_clients_send_is_served():
     """Content as a list of text parts, the developer role, and fields that change nothing that is
     generated (store, metadata, service_tier, parallel_tool_calls, a text response_format)."""
-    req = ChatRequest.model_validate({**CHAT, "messages": [
-        {"role": "developer", "content": [{"type": "text", "text": "Be brief. "}, {"type": "text", "text": "Say hi."}]},
-        {"role": "user", "content": "hi", "name": "ann"}],
-        "store": False, "metadata": {"trace": "x"}, "service_tier": "auto", "parallel_tool_calls": True,
-        "response_format": {"type": "text"}, "tool_choice": None})  # fmt: skip
+    req = ChatRequest.model_validate(
+        {
+            **CHAT,
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "Be brief. "}, {"type": "text", "text": "Say hi."}],
+                },
+                {"role": "user", "content": "hi", "name": "ann"},
+            ],
+            "store": False,
+            "metadata": {"trace": "x"},
+            "service_tier": "auto",
+            "parallel_tool_calls": True,
+            "response_format": {"type": "text"},
+            "tool_choice": None,
+        }
+    )
     system = {"role": "system", "content": "Be brief. Say hi."}
     user = {"role": "user", "content": "hi", "name": "ann"}
     assert [m.for_template() for m in req.messages] == [system, user]
 
 
-@pytest.mark.parametrize(("changes", "field", "says"), [
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content", "'image_url' are not supported"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "text"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling is not supported"),
-    ({"tool_choice": "auto"}, "tool_choice", "tool calling is not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
-    ({"metadata": {"k": 1}}, "metadata", "string"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("changes", "field", "says"),
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content",
+            "'image_url' are not supported",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "text"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling is not supported"),
+        ({"tool_choice": "auto"}, "tool_choice", "tool calling is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+        ({"metadata": {"k": 1}}, "metadata", "string"),
+    ],
+)
 def test_what_would_change_the_meaning_of_a_request_is_refused_naming_it(changes, field, says):
     with pytest.raises(ValidationError) as info:
         ChatRequest.model_validate({**CHAT, **changes})
@@ -208,9 +239,17 @@ def test_what_would_change_the_meaning_of_a_request_is_refused_naming_it(changes
 def test_penalties_bias_and_logprobs_reach_the_sampling_fields():
     """The fields the engine serves are passed on as SamplingParams takes them: logit_bias keys as
     token ids, chat's logprobs/top_logprobs as the number of alternatives (0 with logprobs alone)."""
-    req = CompletionRequest.model_validate({**COMPLETION, "n": 16, "presence_penalty": -2, "frequency_penalty": 1.5,
-                                            "repetition_penalty": 1.2, "logit_bias": {"50256": -100, "7": 2.5},
-                                            "logprobs": 20})  # fmt: skip
+    req = CompletionRequest.model_validate(
+        {
+            **COMPLETION,
+            "n": 16,
+            "presence_penalty": -2,
+            "frequency_penalty": 1.5,
+            "repetition_penalty": 1.2,
+            "logit_bias": {"50256": -100, "7": 2.5},
+            "logprobs": 20,
+        }
+    )
     sampling = req.sampling()
     assert req.n == 16
     assert sampling["presence_penalty"] == -2.0 and sampling["frequency_penalty"] == 1.5
@@ -218,8 +257,10 @@ def test_penalties_bias_and_logprobs_reach_the_sampling_fields():
     assert sampling["logit_bias"] == ((50256, -100.0), (7, 2.5))
     assert CompletionRequest.model_validate(COMPLETION).sampling()["logprobs"] is None
     assert CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}).sampling()["logprobs"] == 0
-    chat = [ChatRequest.model_validate({**CHAT, **c}).sampling()["logprobs"] for c in (
-        {}, {"logprobs": False}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 5})]  # fmt: skip
+    chat = [
+        ChatRequest.model_validate({**CHAT, **c}).sampling()["logprobs"]
+        for c in ({}, {"logprobs": False}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 5})
+    ]
     assert chat == [None, None, 0, 5]
 
 
@@ -257,8 +298,10 @@ def test_bad_sampling_fields_are_refused_naming_them(schema, changes, field):
 
 # -- response shapes -------------------------------------------------------------------------------
 
-TOKENS = [{"token": "Hi", "logprob": -0.5, "top": [("Hi", -0.5), ("Ho", -1.25)]},
-          {"token": "é", "logprob": -2.0, "top": [("a", -0.1), ("é", -2.0), ("a", -2.5)]}]  # fmt: skip
+TOKENS = [
+    {"token": "Hi", "logprob": -0.5, "top": [("Hi", -0.5), ("Ho", -1.25)]},
+    {"token": "é", "logprob": -2.0, "top": [("a", -0.1), ("é", -2.0), ("a", -2.5)]},
+]
 
 
 def test_whole_chat_response_with_choices_and_logprobs():
@@ -290,9 +333,12 @@ def test_completion_logprobs_are_the_legacy_shape_with_offsets_across_chunks():
     shape = ResponseShape(False, "m", n=2, logprobs=True)
     one = shape.chunk("Hié", None, index=0, logprobs=TOKENS)["choices"][0]
     assert one["index"] == 0 and one["text"] == "Hié"
-    assert one["logprobs"] == {"tokens": ["Hi", "é"], "token_logprobs": [-0.5, -2.0],
-                               "top_logprobs": [{"Hi": -0.5, "Ho": -1.25}, {"a": -0.1, "é": -2.0}],
-                               "text_offset": [0, 2]}  # fmt: skip
+    assert one["logprobs"] == {
+        "tokens": ["Hi", "é"],
+        "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"Hi": -0.5, "Ho": -1.25}, {"a": -0.1, "é": -2.0}],
+        "text_offset": [0, 2],
+    }
     assert shape.chunk("Hi", None, index=0, logprobs=TOKENS[:1])["choices"][0]["logprobs"]["text_offset"] == [3]
     other = shape.chunk("Hi", "stop", index=1, logprobs=TOKENS[:1])["choices"][0]
     assert other["index"] == 1 and other["logprobs"]["text_offset"] == [0] and other["finish_reason"] == "stop"
@@ -301,8 +347,12 @@ def test_completion_logprobs_are_the_legacy_shape_with_offsets_across_chunks():
 
 def test_chat_chunks_open_each_choice_with_the_role():
     shape = ResponseShape(True, "m", n=2)
-    assert shape.chunk("a", None, True, 1)["choices"][0] == {"index": 1, "finish_reason": None, "logprobs": None,
-                                                            "delta": {"role": "assistant", "content": "a"}}  # fmt: skip
+    assert shape.chunk("a", None, True, 1)["choices"][0] == {
+        "index": 1,
+        "finish_reason": None,
+        "logprobs": None,
+        "delta": {"role": "assistant", "content": "a"},
+    }
     assert shape.chunk("b", None, False, 1)["choices"][0]["delta"] == {"content": "b"}
 
 

@@ -34,11 +34,16 @@ def plan(**changes) -> RolloutPlan:
 def healthy(n: int = 1, tpot_ratio: float = 1.0, errors: int = 0, fallback: int = 0) -> Signals:
     """n units of traffic, graphs and holdback alike (graph steps tpot_ratio as long)."""
     return Signals(
-        graph=CohortSignals(requests=20 * n, errors=errors * n, rows=100 * n, fallback_rows=fallback * n,
-                            step_s={8: (20 * n, 0.1 * tpot_ratio * n)}),
+        graph=CohortSignals(
+            requests=20 * n,
+            errors=errors * n,
+            rows=100 * n,
+            fallback_rows=fallback * n,
+            step_s={8: (20 * n, 0.1 * tpot_ratio * n)},
+        ),
         holdback=CohortSignals(requests=20 * n, rows=100 * n, step_s={8: (20 * n, 0.1 * n)}),
         shadow_checks=n,
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------- plan
@@ -193,8 +198,9 @@ def test_operator_actions_and_their_conflicts():
 
 
 def test_promoting_the_last_step_succeeds():
-    r = Rollout.start(plan(steps=[{"percent": 10, "hold_s": 5}, {"percent": 100, "hold_s": 60}]), "r", 0.0,
-                      Signals(), "alice")  # fmt: skip
+    r = Rollout.start(
+        plan(steps=[{"percent": 10, "hold_s": 5}, {"percent": 100, "hold_s": 60}]), "r", 0.0, Signals(), "alice"
+    )
     r.promote(1.0, Signals(), "bob")
     assert (r.step, r.phase) == (1, Phase.PROGRESSING)
     r.promote(2.0, Signals(), "bob")
@@ -226,8 +232,9 @@ def test_the_toggle_wins_and_cohorts_follow_the_unit():
         graph_denial(member, "r", tenant_enabled=False, rule=tenant_plan.cohort_rule())
         == FallbackReason.TENANT_DISABLED
     )
-    per_request = Rollout.start(plan(unit="request", steps=[{"percent": 50, "hold_s": 60}, {"percent": 100}]), "r",
-                                0.0, Signals(), "a")  # fmt: skip
+    per_request = Rollout.start(
+        plan(unit="request", steps=[{"percent": 50, "hold_s": 60}, {"percent": 100}]), "r", 0.0, Signals(), "a"
+    )
     assert len({graph_denial("one-tenant", f"req-{i}", True, per_request.cohort_rule()) for i in range(100)}) == 2
     per_request.abort(1.0, "a")
     assert all(graph_denial("t", f"req-{i}", True, per_request.cohort_rule()) for i in range(50))  # 0% after an abort

@@ -55,11 +55,27 @@ def test_decode_step_parts_accumulate_and_carry_labels():
     )
     parts = stats.graph_summary()["decode_step_parts"]
     assert parts == [
-        {"execution_mode": "cuda_graph", "bucket_id": "decode_bs_2", "fallback_reason": "none",
-         "model_revision": "rev-1", "attention_backend": "sdpa", "steps": 1, "rows": 1, "padding_rows": 1},
-        {"execution_mode": "eager", "bucket_id": "none", "fallback_reason": "unavailable",
-         "model_revision": "rev-1", "attention_backend": "sdpa", "steps": 2, "rows": 5, "padding_rows": 0},
-    ]  # fmt: skip
+        {
+            "execution_mode": "cuda_graph",
+            "bucket_id": "decode_bs_2",
+            "fallback_reason": "none",
+            "model_revision": "rev-1",
+            "attention_backend": "sdpa",
+            "steps": 1,
+            "rows": 1,
+            "padding_rows": 1,
+        },
+        {
+            "execution_mode": "eager",
+            "bucket_id": "none",
+            "fallback_reason": "unavailable",
+            "model_revision": "rev-1",
+            "attention_backend": "sdpa",
+            "steps": 2,
+            "rows": 5,
+            "padding_rows": 0,
+        },
+    ]
 
 
 def test_all_eager_one_reason():

@@ -37,10 +37,13 @@ def run_greedy(model, send=None, adapters=(0, 0, 0)):
     decode steps; logits of every step."""
     cache = model.make_kv_cache(len(PROMPTS))
     prefill = PrefillInputs(
-        [t for p in PROMPTS for t in p], [i for p in PROMPTS for i in range(len(p))],
-        [s for s, p in enumerate(PROMPTS) for _ in p], [a for a, p in zip(adapters, PROMPTS) for _ in p],
-        [len(p) for p in PROMPTS], page_edits(cache),
-    )  # fmt: skip
+        [t for p in PROMPTS for t in p],
+        [i for p in PROMPTS for i in range(len(p))],
+        [s for s, p in enumerate(PROMPTS) for _ in p],
+        [a for a, p in zip(adapters, PROMPTS) for _ in p],
+        [len(p) for p in PROMPTS],
+        page_edits(cache),
+    )
     if send:
         send(PREFILL, prefill.rows, prefill.to_ints())
     cache.set_pages(prefill.pages)
@@ -137,8 +140,10 @@ def test_tp2_with_lora_adapters_equals_tp1(tmp_path, model_type):
     from tests.lora_adapters import make_adapter
 
     make_hf_checkpoint(tmp_path / "base", model_type, seed=3)
-    options = [dict(r=4, lora_alpha=8, target_modules="all-linear"),
-               dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], use_rslora=True)]  # fmt: skip
+    options = [
+        dict(r=4, lora_alpha=8, target_modules="all-linear"),
+        dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], use_rslora=True),
+    ]
     adapters = []
     for i, option in enumerate(options):
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)

@@ -63,8 +63,13 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     """Start this rank as serving does, with the stand-in runner; rank 0 then decodes one batch per
     bucket (rank 1 following) and stops rank 1. Returns this rank's buckets and replay counts."""
     cpu = torch.device("cpu")
-    config = EngineConfig(model=model_dir, max_num_seqs=max(BATCH_SIZES), max_model_len=64, device="cpu",
-                          graph_policy=GraphPolicy(decode_batch_buckets=BUCKETS))  # fmt: skip
+    config = EngineConfig(
+        model=model_dir,
+        max_num_seqs=max(BATCH_SIZES),
+        max_model_len=64,
+        device="cpu",
+        graph_policy=GraphPolicy(decode_batch_buckets=BUCKETS),
+    )
     tp = init_tp_group(rank, 2, f"tcp://127.0.0.1:{port}", cpu, timeout_s=TIMEOUT_S)
     model, _, eos, revision = load_for_engine(config, cpu, tp)
     if rank == 1:

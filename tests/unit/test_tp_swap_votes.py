@@ -68,8 +68,10 @@ def _swap_twice(rank: int, port: int, paths: dict) -> dict:
 def test_one_rank_failing_undoes_the_swap_on_every_rank(tmp_path):
     tokenizer = build_byte_tokenizer()
     shape = tiny_hf_config(len(tokenizer))
-    paths = {name: str(write_checkpoint(tmp_path / name, shape, tokenizer, seed=seed))
-             for name, seed in (("v1", 41), ("v2", 42), ("v3", 43))}  # fmt: skip
+    paths = {
+        name: str(write_checkpoint(tmp_path / name, shape, tokenizer, seed=seed))
+        for name, seed in (("v1", 41), ("v2", 42), ("v3", 43))
+    }
     results = start_two_ranks(paths, work=_swap_twice)
     rank0 = results[0]
     assert rank0["refused"] is not None and "rank(s) [1]" in rank0["refused"], rank0["refused"]

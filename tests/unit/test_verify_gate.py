@@ -129,9 +129,11 @@ def test_verification_leaves_the_kv_cache_as_it_was(tiny):
     same verdicts."""
     model = tiny.model
     runner = EagerGraphRunner(
-        model, model.make_kv_cache(SLOTS), GraphPolicy(decode_batch_buckets=BUCKETS),
+        model,
+        model.make_kv_cache(SLOTS),
+        GraphPolicy(decode_batch_buckets=BUCKETS),
         {2: FAULTS["stale_length"](model), 4: FAULTS["slots_rolled"](model), 8: FAULTS["mask_one_more"](model)},
-    )  # fmt: skip
+    )
     cache = runner.cache
     assign_pages(cache)
     g = torch.Generator().manual_seed(0)
@@ -141,8 +143,11 @@ def test_verification_leaves_the_kv_cache_as_it_was(tiny):
     live_k, live_v, table = cache.k[:, real].clone(), cache.v[:, real].clone(), cache.block_table.clone()
 
     def unchanged() -> bool:
-        return (torch.equal(cache.k[:, real], live_k) and torch.equal(cache.v[:, real], live_v)
-                and torch.equal(cache.block_table, table))  # fmt: skip
+        return (
+            torch.equal(cache.k[:, real], live_k)
+            and torch.equal(cache.v[:, real], live_v)
+            and torch.equal(cache.block_table, table)
+        )
 
     runner.prepare()
     assert runner.table.ready == {1}

@@ -232,8 +232,9 @@ class GraphRunner:
         pad = bucket - n
         turns = self.model.lora.max_loras + 1 if self.lora else 1  # LoRA rows: slots 0, 1, ... in turn
         adapters = [(i + seed) % turns for i in range(n)] + [0] * pad
-        return DecodeInputs(tokens + [0] * pad, positions + [0] * pad, slots + [cache.scratch_slot] * pad,
-                            adapters, pages)  # fmt: skip
+        return DecodeInputs(
+            tokens + [0] * pad, positions + [0] * pad, slots + [cache.scratch_slot] * pad, adapters, pages
+        )
 
     def _probe_span(self, rows: int) -> int:
         return min(rows + 2, PROBE_PAGES * self.cache.page_size)
@@ -375,8 +376,9 @@ class GraphRunner:
         Attention runs eager between them, reading the queries the previous graph left."""
         m, cache = self.model, self.cache
         tokens, positions, slots, adapters = self._views(bucket)
-        attn_out = torch.zeros(bucket, m.layers[0].attn.num_heads * m.cfg.head_dim, dtype=m.cfg.dtype,
-                               device=self.device)  # fmt: skip
+        attn_out = torch.zeros(
+            bucket, m.layers[0].attn.num_heads * m.cfg.head_dim, dtype=m.cfg.dtype, device=self.device
+        )
         graphs = self._graphs[bucket] = []
 
         def capture(fn):

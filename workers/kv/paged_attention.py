@@ -79,12 +79,29 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-        stride_qr, stride_qh, stride_kp, stride_kt, stride_kh, stride_tr,
-        group, window, qk_scale,
-        D: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        slot_ptr,
+        len_ptr,
+        part_out_ptr,
+        part_lse_ptr,
+        stride_qr,
+        stride_qh,
+        stride_kp,
+        stride_kt,
+        stride_kh,
+        stride_tr,
+        group,
+        window,
+        qk_scale,
+        D: tl.constexpr,
+        PAGE: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """One (row, KV head, split): online softmax over the split's chunk of the row's live keys, in
         log2 units. Writes the normalised partial output and its log-sum-exp per query head."""
         row = tl.program_id(0)
@@ -149,9 +166,15 @@ if triton is not None:
 
 
 def run_kernel(
-    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-    slot_ids: torch.Tensor, lengths: torch.Tensor, window: int | None, config: SplitConfig,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int | None,
+    config: SplitConfig,
+) -> torch.Tensor:
     """The two launches with an explicit config (`paged_decode` picks `default_config`)."""
     rows, heads, dim = q.shape
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
@@ -160,13 +183,31 @@ def run_kernel(
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(rows, kv_heads, splits)](
-        q, k_pages, v_pages, block_table, slot_ids, lengths, part_out, part_lse,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_table.stride(0),
-        group, window or NO_WINDOW, LOG2E / math.sqrt(dim),
-        D=dim, PAGE=page_size, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n,
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        slot_ids,
+        lengths,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        block_table.stride(0),
+        group,
+        window or NO_WINDOW,
+        LOG2E / math.sqrt(dim),
+        D=dim,
+        PAGE=page_size,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     out = q.new_empty(rows, heads * dim)
     _reduce_kernel[(rows * heads,)](part_out, part_lse, out, splits, D=dim, SPLITS_PAD=triton.next_power_of_2(splits))
     return out
@@ -174,9 +215,14 @@ def run_kernel(
 
 @torch.library.custom_op("graphserve::paged_decode", mutates_args=(), device_types="cuda")
 def paged_decode(
-    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-    slot_ids: torch.Tensor, lengths: torch.Tensor, window: int | None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
     """q (rows, heads, head_dim) -> (rows, heads * head_dim). k_pages/v_pages: one layer's pool
     (num_pages, page_size, kv_heads, head_dim); row r reads block_table[slot_ids[r]] up to
     lengths[r] keys (the last W of them with a sliding window). A custom op so that torch.compile
@@ -192,9 +238,14 @@ def _(q, k_pages, v_pages, block_table, slot_ids, lengths, window):
 
 
 def paged_decode_reference(
-    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-    slot_ids: torch.Tensor, lengths: torch.Tensor, window: int | None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
     """The same result in plain torch, for tests and as the baseline: gathers every row's whole
     block-table row (its cost follows the table width, not the live length) and masks by length."""
     rows, heads, dim = q.shape
@@ -210,7 +261,9 @@ def paged_decode_reference(
     visible = (key <= position) & (key > position - (window or NO_WINDOW))
     # GQA without copying K/V: the query heads sharing one KV head become its query rows.
     out = F.scaled_dot_product_attention(
-        q.view(rows, kv_heads, heads // kv_heads, dim), gather(k_pages), gather(v_pages),
+        q.view(rows, kv_heads, heads // kv_heads, dim),
+        gather(k_pages),
+        gather(v_pages),
         attn_mask=visible[:, None, None, :],
-    )  # fmt: skip
+    )
     return out.reshape(rows, heads * dim)

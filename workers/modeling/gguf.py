@@ -54,8 +54,10 @@ def converted(gguf_file: Path, cache: Path) -> Path:
         raise CheckpointError(f"{gguf_file}: cannot be read as a GGUF checkpoint ({e})") from e
     config, architecture = model.config, type(model).__name__
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{gguf_file}: {architecture} is not a supported architecture; supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
+        raise CheckpointError(
+            f"{gguf_file}: {architecture} is not a supported architecture; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     config.architectures = [architecture]
     config.dtype = "bfloat16"
     # the weights written are dense: a config still naming GGUF quantization would make transformers
@@ -63,8 +65,11 @@ def converted(gguf_file: Path, cache: Path) -> Path:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    weights = {name: t.to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()
-               if not (tied and name == "lm_head.weight")}  # fmt: skip
+    weights = {
+        name: t.to(torch.bfloat16).contiguous()
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     config.save_pretrained(tmp)

@@ -46,11 +46,23 @@ if TYPE_CHECKING:
 
 # PEFT's module names -> (our module within a block, part of a fused layer)
 TARGETS: dict[str, tuple[str, int]] = {  # in LORA_TARGETS' order
-    "q_proj": ("attn.qkv", 0), "k_proj": ("attn.qkv", 1), "v_proj": ("attn.qkv", 2), "o_proj": ("attn.o", 0),
-    "gate_proj": ("mlp.gate_up", 0), "up_proj": ("mlp.gate_up", 1), "down_proj": ("mlp.down", 0),
-}  # fmt: skip
-PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+    "q_proj": ("attn.qkv", 0),
+    "k_proj": ("attn.qkv", 1),
+    "v_proj": ("attn.qkv", 2),
+    "o_proj": ("attn.o", 0),
+    "gate_proj": ("mlp.gate_up", 0),
+    "up_proj": ("mlp.gate_up", 1),
+    "down_proj": ("mlp.down", 0),
+}
+PARENTS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -101,10 +113,14 @@ class AdapterConfig(BaseModel):
 def refusal(config: AdapterConfig, max_rank: int) -> str | None:
     """Why this adapter cannot be served, naming the field; None when it can."""
     unsupported = {
-        "use_dora": config.use_dora, "bias": config.bias != "none", "modules_to_save": bool(config.modules_to_save),
-        "fan_in_fan_out": config.fan_in_fan_out, "rank_pattern": bool(config.rank_pattern),
-        "alpha_pattern": bool(config.alpha_pattern), "layers_to_transform": config.layers_to_transform is not None,
-    }  # fmt: skip
+        "use_dora": config.use_dora,
+        "bias": config.bias != "none",
+        "modules_to_save": bool(config.modules_to_save),
+        "fan_in_fan_out": config.fan_in_fan_out,
+        "rank_pattern": bool(config.rank_pattern),
+        "alpha_pattern": bool(config.alpha_pattern),
+        "layers_to_transform": config.layers_to_transform is not None,
+    }
     for field, used in unsupported.items():
         if used:
             return f"{field}: not supported ({getattr(config, field)!r})"
@@ -136,8 +152,9 @@ def targeted(config: AdapterConfig, num_layers: int) -> set[tuple[int, str]]:
     wanted = set(config.target_modules)
     unknown = sorted(w for w in wanted if not any(n == w or n.endswith("." + w) for n in names.values()))
     if unknown:
-        raise AdapterError(f"target_modules: {unknown} are not linear layers of this model "
-                           f"(supported: {', '.join(TARGETS)})")  # fmt: skip
+        raise AdapterError(
+            f"target_modules: {unknown} are not linear layers of this model (supported: {', '.join(TARGETS)})"
+        )
     return {key for key, name in names.items() if any(name == w or name.endswith("." + w) for w in wanted)}
 
 
@@ -169,8 +186,10 @@ def load_adapter(
         for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
             m = TENSOR_NAME.match(key)
             if m is None or m.group(3) not in TARGETS or PARENTS[m.group(3)] != m.group(2):
-                raise AdapterError(f"tensor {key}: not a LoRA A/B weight of a linear layer (added tokens, "
-                                   "embeddings and extra modules are not supported)")  # fmt: skip
+                raise AdapterError(
+                    f"tensor {key}: not a LoRA A/B weight of a linear layer (added tokens, "
+                    "embeddings and extra modules are not supported)"
+                )
             layer, target = int(m.group(1)), m.group(3)
             if (layer, target) not in wanted:
                 raise AdapterError(f"tensor {key}: its layer is not in target_modules")
@@ -183,8 +202,10 @@ def load_adapter(
         a, b = pair["A"], pair["B"]
         in_size, out_size = sizes[key[1]]
         if tuple(a.shape) != (config.r, in_size) or tuple(b.shape) != (out_size, config.r):
-            raise AdapterError(f"layer {key[0]} {key[1]}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                               f"fit r={config.r} and the layer's {in_size} -> {out_size}")  # fmt: skip
+            raise AdapterError(
+                f"layer {key[0]} {key[1]}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                f"fit r={config.r} and the layer's {in_size} -> {out_size}"
+            )
         weights[key] = (a, b)
     finite = [torch.isfinite(a).all() & torch.isfinite(b).all() for a, b in weights.values()]
     for key, ok in zip(weights, torch.stack(finite).tolist() if finite else [], strict=True):  # one sync
@@ -196,8 +217,15 @@ def load_adapter(
 def _sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each target, unsharded."""
     h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 class LoraBatch:
@@ -232,8 +260,13 @@ class LinearLora:
     adds B s in one kernel (`lora_kernels.py`); otherwise (CPU, long prefills) s is masked to each
     row's slot and added with one addmm per part."""
 
-    def __init__(self, layer: ColumnParallelLinear | RowParallelLinear, parts: list[tuple[str, int]],
-                 max_loras: int, max_rank: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layer: ColumnParallelLinear | RowParallelLinear,
+        parts: list[tuple[str, int]],
+        max_loras: int,
+        max_rank: int,
+    ) -> None:
         out_local, in_local = layer.weight.shape
         self.targets = [target for target, _ in parts]
         self.max_loras, self.max_rank, self.out_features = max_loras, max_rank, out_local
@@ -311,8 +344,12 @@ class LoraSlots:
         self.dtype = weight.dtype
         self.linears: dict[tuple[int, str], LinearLora] = {}
         for i, block in enumerate(model.layers):
-            for name, layer in (("attn.qkv", block.attn.qkv), ("attn.o", block.attn.o),
-                                ("mlp.gate_up", block.mlp.gate_up), ("mlp.down", block.mlp.down)):  # fmt: skip
+            for name, layer in (
+                ("attn.qkv", block.attn.qkv),
+                ("attn.o", block.attn.o),
+                ("mlp.gate_up", block.mlp.gate_up),
+                ("mlp.down", block.mlp.down),
+            ):
                 parts = [(t, part) for t, (owner, part) in TARGETS.items() if owner == name and t in self.targets]
                 if parts:
                     layer.adapter = self.linears[(i, name)] = LinearLora(layer, parts, max_loras, max_rank)

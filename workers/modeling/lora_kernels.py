@@ -46,9 +46,22 @@ if triton is not None:
 
     @triton.jit
     def _expand_kernel(
-        y_ptr, s_ptr, b_ptr, out_ptr, row_part_ptr, adapters_ptr, out_features, stride_y, stride_s, stride_out,
-        max_loras, RANK: tl.constexpr, RANK_PAD: tl.constexpr, PARTS: tl.constexpr, BLOCK_O: tl.constexpr,
-    ):  # fmt: skip
+        y_ptr,
+        s_ptr,
+        b_ptr,
+        out_ptr,
+        row_part_ptr,
+        adapters_ptr,
+        out_features,
+        stride_y,
+        stride_s,
+        stride_out,
+        max_loras,
+        RANK: tl.constexpr,
+        RANK_PAD: tl.constexpr,
+        PARTS: tl.constexpr,
+        BLOCK_O: tl.constexpr,
+    ):
         """One (row, tile of output features): y + B[slot] s, each feature with its part's s."""
         row = tl.program_id(0)
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -64,17 +77,33 @@ if triton is not None:
                 sp = tl.load(s_ptr + row * stride_s + (p * max_loras + slot - 1) * RANK + j, mask=j < RANK, other=0.0)
                 s = tl.where((part == p)[:, None], sp.to(tl.float32)[None, :], s)
             adapted = (part >= 0)[:, None] & (j < RANK)[None, :]
-            b = tl.load(b_ptr + o[:, None] * (max_loras * RANK) + (slot - 1) * RANK + j[None, :], mask=adapted,
-                        other=0.0)  # fmt: skip
+            b = tl.load(
+                b_ptr + o[:, None] * (max_loras * RANK) + (slot - 1) * RANK + j[None, :], mask=adapted, other=0.0
+            )
             result += tl.sum(b.to(tl.float32) * s, axis=1)
         tl.store(out_ptr + row * stride_out + o, result.to(y.dtype), mask=in_row)
 
     @triton.jit
     def _slot_expand_kernel(
-        y_ptr, s_ptr, b_ptr, out_ptr, row_part_ptr, adapters_ptr, out_features, stride_y, stride_s, stride_out,
-        rows, max_loras, RANK: tl.constexpr, RANK_PAD: tl.constexpr, PARTS: tl.constexpr, ROWS_PAD: tl.constexpr,
-        BLOCK_O: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        y_ptr,
+        s_ptr,
+        b_ptr,
+        out_ptr,
+        row_part_ptr,
+        adapters_ptr,
+        out_features,
+        stride_y,
+        stride_s,
+        stride_out,
+        rows,
+        max_loras,
+        RANK: tl.constexpr,
+        RANK_PAD: tl.constexpr,
+        PARTS: tl.constexpr,
+        ROWS_PAD: tl.constexpr,
+        BLOCK_O: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """One (slot, tile of output features) for every row naming the slot: y + B[slot] s, each
         feature with its part's s; slot 0's program copies its rows."""
         slot = tl.program_id(0)
@@ -91,10 +120,16 @@ if triton is not None:
                 for p in tl.static_range(PARTS):  # each part present in the tile: its rows' s times its B
                     here = part == p
                     if tl.max(here.to(tl.int32), axis=0) > 0:
-                        s = tl.load(s_ptr + r[:, None] * stride_s + (p * max_loras + slot - 1) * RANK + j[None, :],
-                                    mask=mine[:, None] & (j[None, :] < RANK), other=0.0)  # fmt: skip
-                        b = tl.load(b_ptr + o[:, None] * (max_loras * RANK) + (slot - 1).to(tl.int64) * RANK
-                                    + j[None, :], mask=here[:, None] & (j[None, :] < RANK), other=0.0)  # fmt: skip
+                        s = tl.load(
+                            s_ptr + r[:, None] * stride_s + (p * max_loras + slot - 1) * RANK + j[None, :],
+                            mask=mine[:, None] & (j[None, :] < RANK),
+                            other=0.0,
+                        )
+                        b = tl.load(
+                            b_ptr + o[:, None] * (max_loras * RANK) + (slot - 1).to(tl.int64) * RANK + j[None, :],
+                            mask=here[:, None] & (j[None, :] < RANK),
+                            other=0.0,
+                        )
                         result += tl.dot(s, tl.trans(b), input_precision=PRECISION)
             at = r[:, None] * stride_out + o[None, :]
             tl.store(out_ptr + at, result.to(y.dtype), mask=mine[:, None] & in_row[None, :])
@@ -117,15 +152,39 @@ def lora_expand(
     strides = (y.stride(0), s.stride(0), out.stride(0))
     if rows >= SLOT_GROUP_ROWS:
         _slot_expand_kernel[(max_loras + 1, tiles)](
-            y, s, b, out, row_part, adapters, out_features, *strides, rows, max_loras,
-            RANK=rank, RANK_PAD=_dot_size(rank), PARTS=parts, ROWS_PAD=_dot_size(rows), BLOCK_O=BLOCK_O,
+            y,
+            s,
+            b,
+            out,
+            row_part,
+            adapters,
+            out_features,
+            *strides,
+            rows,
+            max_loras,
+            RANK=rank,
+            RANK_PAD=_dot_size(rank),
+            PARTS=parts,
+            ROWS_PAD=_dot_size(rows),
+            BLOCK_O=BLOCK_O,
             PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        )  # fmt: skip
+        )
     else:
         _expand_kernel[(rows, tiles)](
-            y, s, b, out, row_part, adapters, out_features, *strides, max_loras,
-            RANK=rank, RANK_PAD=triton.next_power_of_2(rank), PARTS=parts, BLOCK_O=BLOCK_O,
-        )  # fmt: skip
+            y,
+            s,
+            b,
+            out,
+            row_part,
+            adapters,
+            out_features,
+            *strides,
+            max_loras,
+            RANK=rank,
+            RANK_PAD=triton.next_power_of_2(rank),
+            PARTS=parts,
+            BLOCK_O=BLOCK_O,
+        )
     return out
 
 

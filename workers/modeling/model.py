@@ -131,9 +131,14 @@ class LlamaModel(nn.Module):
         if not cfg.tie_word_embeddings:
             # Vocab-parallel: each rank computes logits for its share of the (padded) vocabulary.
             self.lm_head = ColumnParallelLinear(
-                cfg.hidden_size, [self.tp.shard_padded(cfg.vocab_size)], False, self.tp, cfg.dtype, device,
+                cfg.hidden_size,
+                [self.tp.shard_padded(cfg.vocab_size)],
+                False,
+                self.tp,
+                cfg.dtype,
+                device,
                 gather_output=True,
-            )  # fmt: skip
+            )
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(cfg))
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(cfg.dtype).to(device), persistent=False)
@@ -161,9 +166,16 @@ class LlamaModel(nn.Module):
         if num_pages is None:
             num_pages = 1 + num_slots * pages_needed(self.max_model_len, page_size)
         return KVCache(
-            self.cfg.num_layers, num_pages, page_size, num_slots, self.max_model_len, self.num_local_kv_heads,
-            self.cfg.head_dim, self.cfg.dtype, self.embed.weight.device,
-        )  # fmt: skip
+            self.cfg.num_layers,
+            num_pages,
+            page_size,
+            num_slots,
+            self.max_model_len,
+            self.num_local_kv_heads,
+            self.cfg.head_dim,
+            self.cfg.dtype,
+            self.embed.weight.device,
+        )
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token position takes in this rank's cache, all layers."""

@@ -208,8 +208,17 @@ class StreamFront(ABC):
                     text += "" if hit_stop else detok.flush()
                     finished = True
                 logprobs = item.logprobs[: len(token_ids)] if item.logprobs is not None else None
-                yield StreamEvent(seq.request_id, token_ids, text, len(seq.prompt_ids), produced, reason, logprobs,
-                                  seq.seed, detok.state())  # fmt: skip
+                yield StreamEvent(
+                    seq.request_id,
+                    token_ids,
+                    text,
+                    len(seq.prompt_ids),
+                    produced,
+                    reason,
+                    logprobs,
+                    seq.seed,
+                    detok.state(),
+                )
                 wait_s = coalescing.wait_s(len(self._streams))
                 if wait_s and not finished:
                     with contextlib.suppress(TimeoutError):
@@ -248,8 +257,9 @@ class StreamFront(ABC):
             logprobs = None  # an abort's event has none even where the request's other events have
             if item.logprobs is not None or following.logprobs is not None:
                 logprobs = (item.logprobs or []) + (following.logprobs or [])
-            item = TokenEvent(item.request_id, item.token_ids + following.token_ids, following.finish_reason,
-                              logprobs=logprobs)  # fmt: skip
+            item = TokenEvent(
+                item.request_id, item.token_ids + following.token_ids, following.finish_reason, logprobs=logprobs
+            )
 
     def _emit(self, events: list[TokenEvent]) -> None:
         """From the step loop's side: hand one step's events to the event loop."""

@@ -25,8 +25,16 @@ from workers.serving.scheduler import Sequence, new_sequence
 
 # Every part at once: what warm-up runs (a process's first use of each loads kernels) and what the
 # KV pool's sizing measures the peak memory of.
-EVERY_PART = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
-                            repetition_penalty=1.1, logit_bias=((0, 1.0),), logprobs=MAX_LOGPROBS)  # fmt: skip
+EVERY_PART = SamplingParams(
+    temperature=1.0,
+    top_k=50,
+    top_p=0.9,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+    logit_bias=((0, 1.0),),
+    logprobs=MAX_LOGPROBS,
+)
 
 
 class BatchSampler:
@@ -85,8 +93,9 @@ class BatchSampler:
         values = [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params]
         presence, frequency, repetition = torch.tensor(values, device=logits.device).T
         rows, slots = index
-        penalized = apply_penalties(logits[rows], self.counts[slots], self.in_prompt[slots], presence, frequency,
-                                    repetition)  # fmt: skip
+        penalized = apply_penalties(
+            logits[rows], self.counts[slots], self.in_prompt[slots], presence, frequency, repetition
+        )
         return logits.index_put((rows,), penalized)
 
     @staticmethod

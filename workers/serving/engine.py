@@ -121,9 +121,14 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     graph_reserve = int(policy.graph_memory_budget_mb * MB) if policy.mode != "eager" else 0
     reserve = graph_reserve + BatchSampler.history_bytes(max_num_seqs, model.cfg.vocab_size)
     num_pages = plan_num_pages(
-        model, max_num_seqs, config.kv_page_size, config.kv_cache_tokens, config.kv_cache_memory_fraction,
-        config.max_prefill_tokens, reserve,
-    )  # fmt: skip
+        model,
+        max_num_seqs,
+        config.kv_page_size,
+        config.kv_cache_tokens,
+        config.kv_cache_memory_fraction,
+        config.max_prefill_tokens,
+        reserve,
+    )
     return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
 
 
@@ -259,8 +264,12 @@ class LLMEngine:
         lora = self.model.lora
         if self.adapter_slots is None:  # LoRA off here, even if another engine gave the model slots
             return None
-        return {"max_loras": lora.max_loras, "max_lora_rank": lora.max_rank, "target_modules": list(lora.targets),
-                "adapters": self.adapter_slots.report()}  # fmt: skip
+        return {
+            "max_loras": lora.max_loras,
+            "max_lora_rank": lora.max_rank,
+            "target_modules": list(lora.targets),
+            "adapters": self.adapter_slots.report(),
+        }
 
     def _set_state(self, state: EngineState) -> None:
         self.state = state
@@ -326,8 +335,10 @@ class LLMEngine:
         start = time.perf_counter()
         seq = new_sequence([0], SamplingParams(max_tokens=1), adapter=(name, path))
         if not self._grant_adapter(seq):
-            raise InvalidRequest(f"adapter {name!r}: every one of the {self.adapter_slots.max_loras} slots "
-                                 "is in use by running requests; try again")  # fmt: skip
+            raise InvalidRequest(
+                f"adapter {name!r}: every one of the {self.adapter_slots.max_loras} slots "
+                "is in use by running requests; try again"
+            )
         self._release_adapter(seq)
         return {"name": name, "slot": self.adapter_slots.slot_of((name, path)), "seconds": time.perf_counter() - start}
 

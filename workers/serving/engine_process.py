@@ -46,12 +46,44 @@ EXIT_WAIT_S = 10.0
 # accelerator and the libraries it runs. Anything else (API keys, admin tokens, cloud credentials)
 # stays behind, and so does any variable whose name says it holds a secret.
 CHILD_ENV_NAMES = frozenset(
-    {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "LD_LIBRARY_PATH",
-     "VIRTUAL_ENV", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "XDG_CACHE_HOME", "GRAPHSERVE_CACHE", DEFAULT_MODEL_ENV,
-     fault_injection.VARIABLE}
-)  # fmt: skip
-CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "CUBLAS", "CUDNN_", "TORCH", "PYTORCH_", "TRITON_",
-                      "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_", "KMP_", "OPENBLAS_")  # fmt: skip
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "TERM",
+        "LD_LIBRARY_PATH",
+        "VIRTUAL_ENV",
+        "PYTHONHASHSEED",
+        "PYTHONUNBUFFERED",
+        "XDG_CACHE_HOME",
+        "GRAPHSERVE_CACHE",
+        DEFAULT_MODEL_ENV,
+        fault_injection.VARIABLE,
+    }
+)
+CHILD_ENV_PREFIXES = (
+    "LC_",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "CUBLAS",
+    "CUDNN_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+)
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
 
 
@@ -82,8 +114,9 @@ class EngineProcess(StreamFront):
         events, child_events = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "workers.serving.engine_process", str(child_commands), str(child_events)],
-            pass_fds=(child_commands, child_events), env=child_environment(dict(os.environ)),
-        )  # fmt: skip
+            pass_fds=(child_commands, child_events),
+            env=child_environment(dict(os.environ)),
+        )
         os.close(child_commands)  # the child's ends live in the child now: EOF means the other side is gone
         os.close(child_events)
         self._commands = Connection(commands, readable=False)

@@ -72,15 +72,24 @@ def run_gate(engine: LLMEngine, tokenizer, prompts_file: str | None) -> dict:
     checked = len(_operator_prompts(engine, tokenizer, prompts_file)) if prompts_file else 0
     engine.stats = EngineStats(engine.revision, engine.model.attention_backend.name)
     engine.runner.shadow.results.clear()
-    return {"buckets": len(engine.runner.table.ready), "golden_prompts": len(prompts),
-            "operator_prompts": checked, "seconds": time.perf_counter() - start}  # fmt: skip
+    return {
+        "buckets": len(engine.runner.table.ready),
+        "golden_prompts": len(prompts),
+        "operator_prompts": checked,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _eager_probe(engine: LLMEngine, prompts: list[list[int]]) -> None:
     lens = [len(p) for p in prompts]
     n = sum(lens)
-    batch = PrefillInputs([t for p in prompts for t in p], [i for m in lens for i in range(m)],
-                          [engine.cache.scratch_slot] * n, [0] * n, lens)  # fmt: skip
+    batch = PrefillInputs(
+        [t for p in prompts for t in p],
+        [i for m in lens for i in range(m)],
+        [engine.cache.scratch_slot] * n,
+        [0] * n,
+        lens,
+    )
     engine._send(PREFILL, batch)
     logits = engine.runner.prefill(batch)
     if not bool(torch.isfinite(logits).all()):
@@ -104,14 +113,22 @@ def _operator_prompts(engine: LLMEngine, tokenizer, path: str) -> list[dict]:
     except (OSError, ValueError) as e:
         raise GateFailed(f"gate_prompts_file {path}: {e}") from e
     for i, case in enumerate(cases, 1):
-        if not (isinstance(case, dict) and isinstance(case.get("prompt"), str)
-                and isinstance(case.get("completion"), str)
-                and isinstance(case.get("max_tokens", 1), int)):  # fmt: skip
-            raise GateFailed(f"gate_prompts_file {path}, line {i}: want "
-                             '{"prompt": str, "completion": str, optional "max_tokens": int}')  # fmt: skip
+        if not (
+            isinstance(case, dict)
+            and isinstance(case.get("prompt"), str)
+            and isinstance(case.get("completion"), str)
+            and isinstance(case.get("max_tokens", 1), int)
+        ):
+            raise GateFailed(
+                f"gate_prompts_file {path}, line {i}: want "
+                '{"prompt": str, "completion": str, optional "max_tokens": int}'
+            )
         n = case.get("max_tokens") or len(tokenizer(case["completion"], add_special_tokens=False)["input_ids"])
-        seq = engine.add_request(tokenizer(case["prompt"])["input_ids"], SamplingParams(max_tokens=max(1, n),
-                                 temperature=0.0), f"gate-file-{i}")  # fmt: skip
+        seq = engine.add_request(
+            tokenizer(case["prompt"])["input_ids"],
+            SamplingParams(max_tokens=max(1, n), temperature=0.0),
+            f"gate-file-{i}",
+        )
         while engine.has_work():
             engine.step()
         got = tokenizer.decode([t for t in seq.output_ids if t not in engine.eos_token_ids], skip_special_tokens=True)
@@ -142,8 +159,10 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
         load_weights(engine.model, model_dir)
         moved = [name for name, (p, data, _) in zip(names, saved) if p.data.data_ptr() != data.data_ptr()]
         if moved:
-            raise GateFailed(f"{len(moved)} parameter(s) moved to new storage while loading (e.g. {moved[0]}): "
-                             "captured graphs would read the old weights")  # fmt: skip
+            raise GateFailed(
+                f"{len(moved)} parameter(s) moved to new storage while loading (e.g. {moved[0]}): "
+                "captured graphs would read the old weights"
+            )
         tokenizer = load_tokenizer(model_dir)
         engine.config, engine.revision = config, config.model_revision or model_revision(model_dir)
         engine.eos_token_ids = set(eos_ids(load_config(model_dir), tokenizer))

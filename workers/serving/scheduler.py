@@ -68,8 +68,15 @@ def new_sequence(
     another engine starts with the tokens it had there (output_ids): its prefill writes them after
     the prompt and its next token is sampled at their count, the step it was at."""
     seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
-    return Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, list(output_ids),
-                    graph_denial=graph_denial, adapter=adapter)  # fmt: skip
+    return Sequence(
+        request_id or uuid.uuid4().hex,
+        list(prompt_ids),
+        params,
+        seed,
+        list(output_ids),
+        graph_denial=graph_denial,
+        adapter=adapter,
+    )
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,7 @@ class EngineStats:
                     "padding_rows": c[2],
                 }
                 for (m, b, r), c in sorted(self.step_parts.items())
-            ],  # fmt: skip
+            ],
         }
 
     def snapshot(self) -> dict:
@@ -193,6 +193,9 @@ class EngineStats:
                 "ttft_s": _summary(self.ttft_s),
                 "tpot_s": _summary(self.tpot_s),
                 "cohorts": self.cohorts(),
-                "lora": {"loads": dict(self.adapter_loads), "load_s": self.adapter_load_s,
-                         "generated_tokens": dict(self.adapter_tokens)},
-            }  # fmt: skip
+                "lora": {
+                    "loads": dict(self.adapter_loads),
+                    "load_s": self.adapter_load_s,
+                    "generated_tokens": dict(self.adapter_tokens),
+                },
+            }

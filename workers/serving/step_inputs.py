@@ -35,8 +35,13 @@ class DecodeInputs(NamedTuple):
 
     @classmethod
     def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> DecodeInputs:
-        return cls([s.output_ids[-1] for s in seqs], [s.length - 1 for s in seqs], [s.slot for s in seqs],
-                   [s.adapter_slot for s in seqs], list(pages))  # fmt: skip
+        return cls(
+            [s.output_ids[-1] for s in seqs],
+            [s.length - 1 for s in seqs],
+            [s.slot for s in seqs],
+            [s.adapter_slot for s in seqs],
+            list(pages),
+        )
 
     @property
     def rows(self) -> int:

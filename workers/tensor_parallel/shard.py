@@ -27,7 +27,7 @@ from workers.serving.engine import (
     make_runners,
     prepare_model,
     resolve_device,
-)  # fmt: skip
+)
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 

@@ -46,9 +46,13 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.de
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     return TPGroup(rank=rank, world_size=world_size, group=dist.group.WORLD)
 
 
