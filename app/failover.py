@@ -7,9 +7,9 @@ unseeded request, the one its engine drew: every item carries it) and samples it
 step n. Its detokenizer goes on from the state the last item carried, so no text is repeated or
 lost, held-back text that could still become a stop string included.
 
-The ingress keeps a `Progress` per request from the items it relays, and when an item says the
-replica or its engine failed (`"retry"`), sends the request again with a `"resume"` (what the
-client has) and an `"avoid"` list (the replicas that failed it). A request for n > 1 choices runs
+The ingress keeps a `Progress` per request from the chunks it relays, and when a `Failure` says the
+replica or its engine failed (`retry`), sends the request again with a `resume` (what the client
+has) and an `avoid` list (the replicas that failed it). A request for n > 1 choices runs
 them side by side on one replica; when that fails, each unfinished choice goes on by itself, as a
 one-choice request with that choice's seed and progress, and its items come back under its index.
 Serve's own router could pick the failed replica again: with its engine restarting in place it is
@@ -21,13 +21,15 @@ never offers a replica the request avoids.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from workers.protocol import Resume
+from workers.protocol import ChoiceChunk, Continuation, Failure, GenerateRequest, Item, Resume, decode_request
 from workers.serving.detokenizer import DetokState
 from workers.serving.sampling import InvalidRequest, choice_seed
 
@@ -41,49 +43,49 @@ class Progress:
 
     output_ids: list[int] = field(default_factory=list)
     seed: int | None = None
-    detok: tuple | None = None  # the last item's detokenizer state (a DetokState)
-    replica_id: str | None = None  # the replica of the current attempt, once an item named it
+    detok: DetokState | None = None  # the last chunk's detokenizer state
+    replica_id: str | None = None  # the replica of the current attempt, once a chunk named it
     avoid: list[str] = field(default_factory=list)
     failovers: int = 0
 
-    def record(self, item: dict) -> None:
-        """An item relayed to the client."""
-        self.output_ids += item["token_ids"]
-        self.seed, self.detok, self.replica_id = item["seed"], item["detok"], item["replica_id"]
+    def record(self, chunk: ChoiceChunk) -> None:
+        """A chunk relayed to the client."""
+        self.output_ids += chunk.token_ids
+        self.seed, self.detok, self.replica_id = chunk.seed, chunk.detok, chunk.replica_id
 
-    def fail(self, failure: dict) -> bool:
+    def fail(self, failure: Failure) -> bool:
         """Note a failed attempt; whether the request may go on elsewhere: only after a failure of
         the replica or its engine (never a client's error or a cancellation), a bounded number of times."""
-        if not failure.get("retry") or self.failovers >= MAX_FAILOVERS:
+        if not failure.retry or self.failovers >= MAX_FAILOVERS:
             return False
-        failed = failure.get("replica_id") or self.replica_id
+        failed = failure.replica_id or self.replica_id
         if failed is not None and failed not in self.avoid:
             self.avoid.append(failed)
         self.replica_id = None
         self.failovers += 1
         return True
 
-    def payload(self, request: dict) -> dict:
-        """The request for the next attempt: as first sent, plus where to go on from (once an item
+    def payload(self, request: GenerateRequest) -> GenerateRequest:
+        """The request for the next attempt: as first sent, plus where to go on from (once a chunk
         was relayed: its seed must stay, even with no token yet) and which replicas to avoid."""
         if not self.failovers:
             return request
         resume = None
         if self.detok is not None:
-            resume = {"output_ids": list(self.output_ids), "seed": self.seed, "detok": tuple(self.detok)}
-        return {**request, "avoid": list(self.avoid), "resume": resume}
+            resume = Continuation(list(self.output_ids), self.seed, self.detok)
+        return msgspec.structs.replace(request, avoid=tuple(self.avoid), resume=resume)
 
 
-def one_choice(request: dict, index: int) -> dict:
+def one_choice(request: GenerateRequest, index: int) -> GenerateRequest:
     """Choice `index` of an n-choice request as a request of its own: n = 1, and the seed the
     replica gave that choice (a seeded request derives it; an unseeded one's comes with the
-    choice's items, in its progress)."""
-    seed = request["sampling"]["seed"]
-    sampling = {**request["sampling"], "seed": None if seed is None else choice_seed(seed, index)}
-    return {**request, "n": 1, "sampling": sampling}
+    choice's chunks, in its progress)."""
+    seed = request.sampling.seed
+    sampling = dataclasses.replace(request.sampling, seed=None if seed is None else choice_seed(seed, index))
+    return msgspec.structs.replace(request, n=1, sampling=sampling)
 
 
-async def merged(streams: dict[int, AsyncGenerator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+async def merged(streams: dict[int, AsyncGenerator[Item]]) -> AsyncIterator[tuple[int, Item]]:
     """(index, item) of each stream's items as they come. The streams start one after another, each
     once the one before has yielded its first item (or ended): Serve's router keeps the calls of one
     request that wait for a replica under the request's id, one per id, so two waiting together
@@ -117,22 +119,22 @@ async def merged(streams: dict[int, AsyncGenerator[dict]]) -> AsyncIterator[tupl
             await stream.aclose()
 
 
-def continuation(request: dict, n: int = 1) -> Resume | None:
-    """The engine's side of a request's "resume" (None for a first attempt). Only a one-choice
+def continuation(request: GenerateRequest) -> Resume | None:
+    """The engine's side of a request's `resume` (None for a first attempt). Only a one-choice
     request is continued: the ingress continues each choice of an n-choice request on its own."""
-    resume = request.get("resume")
-    if resume is None:
+    if request.resume is None:
         return None
-    if n != 1:
+    if request.n != 1:
         raise InvalidRequest("a continuation has one choice (n = 1)")
-    return Resume(list(resume["output_ids"]), DetokState(*resume["detok"]))
+    return Resume(list(request.resume.output_ids), request.resume.detok)
 
 
 def avoided(pending_request: PendingRequest | None) -> set[str]:
-    """The replica ids a generate request's payload says to avoid (none for other calls)."""
+    """The replica ids a generate request says to avoid (none for other calls)."""
     args = pending_request.args if pending_request is not None else ()
-    payload = args[0] if args and isinstance(args[0], dict) else {}
-    return set(payload.get("avoid") or ())
+    if not args or not isinstance(args[0], bytes):
+        return set()
+    return set(decode_request(args[0]).avoid)
 
 
 class FailoverRouter(LocalityMixin, MultiplexMixin, RequestRouter):

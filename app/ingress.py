@@ -8,6 +8,7 @@ import math
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
@@ -26,6 +27,8 @@ from app.openai_protocol import ChatRequest, Choice, CompletionRequest, Response
 from app.readiness import ReadinessView
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import model_name
+from workers.protocol import ChoiceChunk, Failure, GenerateRequest, Item, decode_item, encode
+from workers.serving.sampling import InvalidRequest
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
@@ -149,22 +152,22 @@ def finite(value):
     return value
 
 
-_REPLICA_GONE = {"error": "the replica serving this request failed; retry the request", "status": 503, "retry": True}
+_REPLICA_GONE = Failure("the replica serving this request failed; retry the request", 503, retry=True)
 
 
-async def _items(items) -> AsyncIterator[dict]:
-    """The replica's items; a replica that fails or vanishes mid-request (a RayActorError, a lost
-    connection) ends them with an error item instead of an exception, so no client sees a 500 or a
-    cut connection for it."""
+async def _items(items) -> AsyncIterator[Item]:
+    """The replica's items, decoded; a replica that fails or vanishes mid-request (a RayActorError,
+    a lost connection) ends them with a Failure instead of an exception, so no client sees a 500 or
+    a cut connection for it."""
     try:
-        async for item in items:
-            yield item
+        async for data in items:
+            yield decode_item(data)
     except Exception:
         log.exception("the replica's stream failed")
         yield _REPLICA_GONE
 
 
-async def _chain_items(first: dict, items: AsyncGenerator[dict]) -> AsyncIterator[dict]:
+async def _chain_items(first: ChoiceChunk, items: AsyncGenerator[Item]) -> AsyncIterator[Item]:
     """The first item, then the rest; leaving early (a client that went away) cancels the request
     in the engine."""
     try:
@@ -290,27 +293,32 @@ class Ingress:
         if not await self.readiness.any_ready():
             return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
         chat = schema is ChatRequest
-        payload = {
-            "tenant": tenant,
-            "kind": "chat" if chat else "completion",
-            "sampling": req.sampling(),
-            "adapter": adapter,
-            "n": req.n,
-        }
-        if chat:
-            payload["messages"] = [m.for_template() for m in req.messages]
-        else:
-            payload["prompt"] = req.prompt
+        try:
+            sampling = req.sampling()
+        except InvalidRequest as e:
+            return error_response(400, str(e))
+        payload = GenerateRequest(
+            tenant,
+            "chat" if chat else "completion",
+            sampling,
+            req.requested_max_tokens(),
+            req.n,
+            prompt=None if chat else req.prompt,
+            messages=[m.for_template() for m in req.messages] if chat else None,
+            adapter=adapter,
+        )
+        try:
+            encode(payload)
+        except (OverflowError, msgspec.EncodeError) as e:  # an integer no engine could hold (a token id of 2**70)
+            return error_response(400, f"a number in the request is out of range: {e}")
         adapter_name = adapter[0] if adapter else None
         items = self._resumable(payload, adapter_name) if req.n == 1 else self._choices(payload, adapter_name)
         first = await anext(items)
-        if "error" in first:
+        if isinstance(first, Failure):
             await items.aclose()
-            return error_response(
-                first["status"], first["error"], headers=RETRY_AFTER if first["status"] == 503 else None
-            )
-        shape = ResponseShape(chat, req.model, req.n, payload["sampling"]["logprobs"] is not None)
-        seed = {SEED_HEADER: str(first["seed"])}
+            return error_response(first.status, first.error, headers=RETRY_AFTER if first.status == 503 else None)
+        shape = ResponseShape(chat, req.model, req.n, sampling.logprobs is not None)
+        seed = {SEED_HEADER: str(first.seed)}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
@@ -321,8 +329,12 @@ class Ingress:
         return response
 
     async def _resumable(
-        self, payload: dict, adapter: str | None, progress: Progress | None = None, failure: dict = _REPLICA_GONE
-    ) -> AsyncGenerator[dict]:
+        self,
+        payload: GenerateRequest,
+        adapter: str | None,
+        progress: Progress | None = None,
+        failure: Failure = _REPLICA_GONE,
+    ) -> AsyncGenerator[Item]:
         """The request's items, from one replica or, when it or its engine fails, from another that
         goes on where the client is (`app/failover.py`): with another replica serving, at most
         MAX_FAILOVERS times, each continuation's first item within FAILOVER_TIMEOUT_S. Otherwise the
@@ -340,10 +352,10 @@ class Ingress:
             rest = _items(items)
             try:
                 item = item or _REPLICA_GONE
-                while "error" not in item:
+                while isinstance(item, ChoiceChunk):
                     progress.record(item)
                     yield item
-                    if item["finish_reason"] is not None:
+                    if item.finish_reason is not None:
                         return
                     item = await anext(rest, _REPLICA_GONE)  # a stream that stops short: its replica is gone
             finally:
@@ -353,50 +365,50 @@ class Ingress:
                 yield failure
                 return
 
-    async def _choices(self, payload: dict, adapter: str | None) -> AsyncGenerator[dict]:
+    async def _choices(self, payload: GenerateRequest, adapter: str | None) -> AsyncGenerator[Item]:
         """The items of a request with n > 1 choices: all of them from one replica, side by side;
         when it or its engine fails, each unfinished choice goes on by itself (`_resumable` of
         `one_choice`, from that choice's progress), its items under its index."""
-        n = payload["n"]
+        n = payload.n
         progress, finished = [Progress() for _ in range(n)], set()
         items, item = await self._first_item(payload, adapter)
         rest = _items(items)
         try:
             item = item or _REPLICA_GONE
-            while "error" not in item:
-                progress[item["index"]].record(item)
+            while isinstance(item, ChoiceChunk):
+                progress[item.index].record(item)
                 yield item
-                if item["finish_reason"] is not None:
-                    finished.add(item["index"])
+                if item.finish_reason is not None:
+                    finished.add(item.index)
                     if len(finished) == n:
                         return
                 item = await anext(rest, _REPLICA_GONE)
         finally:
             items.cancel()
         going_on = [i for i in range(n) if i not in finished]
-        replica = item.get("replica_id") or next((p.replica_id for p in progress if p.replica_id), None)
-        failure = {**item, "replica_id": replica}  # avoided by every choice, those that had no item yet too
+        replica = item.replica_id or next((p.replica_id for p in progress if p.replica_id), None)
+        failure = msgspec.structs.replace(item, replica_id=replica)  # avoided by every choice, those with no chunk too
         if not all([await self._fails_over(progress[i], failure) for i in going_on]):
             yield item
             return
         continued = {i: self._resumable(one_choice(payload, i), adapter, progress[i], item) for i in going_on}
         async for i, choice_item in merged(continued):
-            if "error" in choice_item:
+            if isinstance(choice_item, Failure):
                 yield choice_item
                 return
-            yield {**choice_item, "index": i}
+            yield msgspec.structs.replace(choice_item, index=i)
 
-    async def _fails_over(self, progress: Progress, failure: dict) -> bool:
+    async def _fails_over(self, progress: Progress, failure: Failure) -> bool:
         """Whether a failed attempt goes on elsewhere: a replica or engine failure, within the
         bound, with another replica serving."""
         if not progress.fail(failure) or not await self.readiness.serving() - set(progress.avoid):
             return False
         log.warning(
-            "request fails over to another replica after %d tokens: %s", len(progress.output_ids), failure["error"]
+            "request fails over to another replica after %d tokens: %s", len(progress.output_ids), failure.error
         )
         return True
 
-    async def _first_item(self, payload: dict, adapter: str | None = None) -> tuple[object, dict | None]:
+    async def _first_item(self, payload: GenerateRequest, adapter: str | None = None) -> tuple[object, Item | None]:
         """Send the request to a replica and wait for its first item. A replica that is swapping its
         model turns requests away: they are sent again (Serve picks a replica each time) until one
         takes it, for at most swap_queue_timeout_s; then the swapping answer (a 503) stands. A
@@ -405,55 +417,57 @@ class Ingress:
         deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
         llm = self.llm.options(multiplexed_model_id=adapter) if adapter else self.llm
         while True:
-            items = llm.generate.remote(payload)
+            items = llm.generate.remote(encode(payload))
             try:
                 first = await anext(_items(items), None)
             except BaseException:  # the client went away before the first token: end the request there too
                 items.cancel()
                 raise
-            if not (first and first.get("swapping")) or asyncio.get_running_loop().time() > deadline:
+            if not (isinstance(first, Failure) and first.swapping) or asyncio.get_running_loop().time() > deadline:
                 return items, first
             await asyncio.sleep(SWAP_RETRY_S)
 
-    async def _stream(self, shape: ResponseShape, first: dict, items, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, shape: ResponseShape, first: ChoiceChunk, items, include_usage: bool
+    ) -> AsyncIterator[bytes]:
         """SSE events, one write per item; the final chunk, the usage and [DONE] leave in one write
         (every write is an item through the proxy, and at high concurrency streams end together).
         With n choices, items carry their choice's index and the last choice to end sends the final
         chunk. A stream the server cannot finish ends with an error event in OpenAI's shape, then [DONE]."""
         tail, started, ended, completion_tokens = b"", set(), set(), {}
         async for item in _chain_items(first, items):
-            if "error" in item:
-                yield _sse(error_body(item["status"], item["error"])) + _sse("[DONE]")
+            if isinstance(item, Failure):
+                yield _sse(error_body(item.status, item.error)) + _sse("[DONE]")
                 return
-            index = item.get("index", 0)
-            completion_tokens[index] = item["completion_tokens"]
+            index = item.index
+            completion_tokens[index] = item.completion_tokens
             opening = index not in started
-            if item["text"] or opening or item["finish_reason"] is not None or item.get("logprobs"):
+            if item.text or opening or item.finish_reason is not None or item.logprobs:
                 started.add(index)
-                event = _sse(shape.chunk(item["text"], item["finish_reason"], opening, index, item.get("logprobs")))
-                if item["finish_reason"] is not None:
+                event = _sse(shape.chunk(item.text, item.finish_reason, opening, index, item.logprobs))
+                if item.finish_reason is not None:
                     ended.add(index)
                 if len(ended) < shape.n:
                     yield event
                 else:
                     tail = event
         if len(ended) < shape.n:  # the replica's stream stopped short of its end
-            yield _sse(error_body(_REPLICA_GONE["status"], _REPLICA_GONE["error"])) + _sse("[DONE]")
+            yield _sse(error_body(_REPLICA_GONE.status, _REPLICA_GONE.error)) + _sse("[DONE]")
             return
         if include_usage:
-            tail += _sse(shape.usage_chunk(first["prompt_tokens"], sum(completion_tokens.values())))
+            tail += _sse(shape.usage_chunk(first.prompt_tokens, sum(completion_tokens.values())))
         yield tail + _sse("[DONE]")
 
-    async def _collect(self, shape: ResponseShape, first: dict, items) -> Response:
+    async def _collect(self, shape: ResponseShape, first: ChoiceChunk, items) -> Response:
         """The whole completion, or a 503 with Retry-After when the server could not finish it."""
         choices = [Choice() for _ in range(shape.n)]
         async for item in _chain_items(first, items):
-            if "error" in item:
-                return error_response(item["status"], item["error"], headers=RETRY_AFTER)
-            choices[item.get("index", 0)].add(item)
+            if isinstance(item, Failure):
+                return error_response(item.status, item.error, headers=RETRY_AFTER)
+            choices[item.index].add(item)
         if any(c.finish_reason is None for c in choices):
-            return error_response(_REPLICA_GONE["status"], _REPLICA_GONE["error"], headers=RETRY_AFTER)
-        return JSONResponse(shape.whole(choices, first["prompt_tokens"]))
+            return error_response(_REPLICA_GONE.status, _REPLICA_GONE.error, headers=RETRY_AFTER)
+        return JSONResponse(shape.whole(choices, first.prompt_tokens))
 
     # -- admin API ---------------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
-from workers.serving.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from workers.protocol import ChoiceChunk, LogprobItem
+from workers.serving.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 STOP_MAX_CHARS = 512  # the longest stop string accepted (characters); the README's API section says so
 MAX_N = 16  # choices per request at most
@@ -67,6 +68,9 @@ def _json_type(expected: str, *types: type) -> BeforeValidator:
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: StrictBool = False
+
+
+TOP_K_NO_LIMIT = 2**63 - 1  # a top_k of the vocabulary's size or more keeps every token: this one too
 
 
 class SamplingFields(BaseModel):
@@ -119,14 +123,21 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         return v
 
-    def sampling(self) -> dict[str, Any]:
-        """Sampling fields for the replica; max_tokens None = the endpoint's default, which the
-        replica fits to the room the prompt leaves."""
-        return dict(
-            max_tokens=self.max_tokens,
+    def requested_max_tokens(self) -> int | None:
+        """max_tokens as asked; None = the endpoint's default, which the replica fits to the room
+        the prompt leaves."""
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """How many alternatives each token's logprob lists (None: no logprobs)."""
+        return None
+
+    def sampling(self) -> SamplingParams:
+        """How the engine samples; its max_tokens is the replica's to set (`requested_max_tokens`)."""
+        return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=min(self.top_k, TOP_K_NO_LIMIT),
             seed=self.seed,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
@@ -134,6 +145,7 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
+            logprobs=self.logprob_count(),
         )
 
 
@@ -149,9 +161,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         return v
 
-    def sampling(self) -> dict[str, Any]:
-        """logprobs: how many alternatives each token lists (None: no logprobs)."""
-        return {**super().sampling(), "logprobs": self.logprobs}
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -222,11 +233,11 @@ class ChatRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
 
-    def sampling(self) -> dict[str, Any]:
-        fields = super().sampling()
-        fields["max_tokens"] = self.max_completion_tokens or fields["max_tokens"]
-        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
-        return fields
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -244,13 +255,13 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[LogprobItem] = field(default_factory=list)
 
-    def add(self, item: dict) -> None:
-        self.text += item["text"]
-        self.finish_reason = item["finish_reason"]
-        self.completion_tokens = item["completion_tokens"]
-        self.logprobs.extend(item.get("logprobs") or ())
+    def add(self, chunk: ChoiceChunk) -> None:
+        self.text += chunk.text
+        self.finish_reason = chunk.finish_reason
+        self.completion_tokens = chunk.completion_tokens
+        self.logprobs.extend(chunk.logprobs or ())
 
 
 def _token_bytes(token: str) -> list[int]:
@@ -268,7 +279,7 @@ def _by_token(top: list) -> dict[str, float]:
 
 class ResponseShape:
     """Builds the JSON of one completion or chat completion, whole or as stream chunks. Logprobs
-    come from the replica as {"token", "logprob", "top": [[token, logprob], ...]} per token."""
+    come from the replica as a `LogprobItem` per token."""
 
     def __init__(self, chat: bool, model: str, n: int = 1, logprobs: bool = False) -> None:
         self.chat = chat
@@ -297,7 +308,12 @@ class ResponseShape:
         return {**self._base(self.object), "choices": out, "usage": usage(prompt_tokens, completion_tokens)}
 
     def chunk(
-        self, text: str, finish_reason: str | None, first: bool = False, index: int = 0, logprobs: list | None = None
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool = False,
+        index: int = 0,
+        logprobs: list[LogprobItem] | None = None,
     ) -> dict:
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
         if self.chat:
@@ -311,7 +327,7 @@ class ResponseShape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def _logprobs(self, index: int, tokens: list[dict]) -> dict | None:
+    def _logprobs(self, index: int, tokens: list[LogprobItem]) -> dict | None:
         """OpenAI's logprobs of these tokens of choice `index`: chat's content list, or the legacy
         completions shape (its text_offset counting on from the choice's earlier chunks)."""
         if not self.logprobs:
@@ -319,10 +335,10 @@ class ResponseShape:
         if self.chat:
             content = [
                 {
-                    "token": t["token"],
-                    "logprob": t["logprob"],
-                    "bytes": _token_bytes(t["token"]),
-                    "top_logprobs": [{"token": a, "logprob": lp, "bytes": _token_bytes(a)} for a, lp in t["top"]],
+                    "token": t.token,
+                    "logprob": t.logprob,
+                    "bytes": _token_bytes(t.token),
+                    "top_logprobs": [{"token": a, "logprob": lp, "bytes": _token_bytes(a)} for a, lp in t.top],
                 }
                 for t in tokens
             ]
@@ -330,10 +346,10 @@ class ResponseShape:
         offsets = []
         for t in tokens:
             offsets.append(self._text_offset[index])
-            self._text_offset[index] += len(t["token"])
+            self._text_offset[index] += len(t.token)
         return {
-            "tokens": [t["token"] for t in tokens],
-            "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [_by_token(t["top"]) for t in tokens],
+            "tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [_by_token(t.top) for t in tokens],
             "text_offset": offsets,
         }

@@ -33,7 +33,20 @@ from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.modeling.lora import LoraLimits
-from workers.protocol import Coalescing, Engine, EngineRequest, Resume, StreamEvent
+from workers.protocol import (
+    ChoiceChunk,
+    Coalescing,
+    Engine,
+    EngineRequest,
+    Failure,
+    GenerateRequest,
+    Item,
+    LogprobItem,
+    Resume,
+    StreamEvent,
+    decode_request,
+    encode,
+)
 from workers.serving.async_engine import EngineDeadError, RequestFailed
 from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
@@ -79,22 +92,22 @@ def with_target(config: AppConfig, target: dict | None) -> AppConfig:
     return config.model_copy(update=update)
 
 
-def tokenize(tokenizer, request: dict) -> list[int]:
+def tokenize(tokenizer, request: GenerateRequest) -> list[int]:
     """The prompt's token ids. What the tokenizer or the chat template refuses (text that is not valid
     Unicode, a template's raise_exception, ...) is the client's error: InvalidRequest, a 400."""
-    chat = request["kind"] == "chat"
+    chat = request.kind == "chat"
     if chat and not tokenizer.chat_template:
         raise InvalidRequest("this model has no chat template; use /v1/completions")
     try:
         if chat:
-            ids = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        prompt = request["prompt"]
+        prompt = request.prompt
         return tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
     except TemplateError as e:
         raise InvalidRequest(f"the model's chat template refused these messages: {e}") from e
     except (TypeError, ValueError) as e:
-        texts = [v for m in request["messages"] for v in m.values()] if chat else [request["prompt"]]
+        texts = [v for m in request.messages for v in m.values()] if chat else [request.prompt]
         if any(isinstance(t, str) and re.search("[\ud800-\udfff]", t) for t in texts):
             raise InvalidRequest("the prompt holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text") from e
         raise InvalidRequest(f"the prompt could not be tokenized: {e}") from e
@@ -346,20 +359,21 @@ class LLMReplica:
         await self._note_adapter(name)
         return {"replica_id": self.replica_id, **report}
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Items: {"error", "status"} alone, or {"index", "text", "finish_reason", "prompt_tokens",
-        "completion_tokens", "logprobs"} chunks of the request's n choices (the counts are the
-        choice's own; logprobs None unless asked for), possibly ended by an {"error", "status"} item
-        when the engine failed mid-stream. The first item is sent as soon as it exists. Chunks also
-        carry what another replica needs to continue a one-choice request (`app/failover.py`): token
-        ids, seed, detokenizer state and this replica's id; an error item of an engine that died says
-        "retry". A request with a "resume" continues one that another replica could not finish."""
+    async def generate(self, data: bytes) -> AsyncIterator[bytes]:
+        """A `GenerateRequest`'s items (`workers/protocol.py`), encoded: a `Failure` alone, or the
+        `ChoiceChunk`s of the request's n choices, possibly ended by a `Failure` when the engine
+        failed mid-stream (its `retry` set: another replica may go on). The first chunk is sent as
+        soon as it exists. A request with a `resume` continues one that another replica could not
+        finish."""
+        async for item in self._generate(decode_request(data)):
+            yield encode(item)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[Item]:
         if self.draining:  # not counted: the ingress sends it to another replica
-            yield {"error": "this replica is swapping its model", "status": 503, "swapping": True}
+            yield Failure("this replica is swapping its model", 503, swapping=True)
             return
-        tenant = request["tenant"]
+        tenant, n = request.tenant, request.n
         request_id = uuid.uuid4().hex
-        n = request.get("n", 1)
         choice_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         start = time.monotonic()
         outcome, streams = "cancelled", []  # cancelled unless it ends otherwise (its client left)
@@ -368,33 +382,32 @@ class LLMReplica:
         try:
             try:
                 prompt_ids = tokenize(self.tokenizer, request)
-                sampling = dict(request["sampling"])
                 max_tokens = fit_max_tokens(
-                    request["kind"], sampling["max_tokens"], len(prompt_ids), self.engine_status.max_model_len
+                    request.kind, request.max_tokens, len(prompt_ids), self.engine_status.max_model_len
                 )
-                sampling["max_tokens"] = fit_choices(
-                    n, max_tokens, sampling["max_tokens"] is not None, len(prompt_ids), self.engine_status.kv_cache
+                max_tokens = fit_choices(
+                    n, max_tokens, request.max_tokens is not None, len(prompt_ids), self.engine_status.kv_cache
                 )
-                resume = continuation(request, n)
+                sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
+                resume = continuation(request)
                 if resume is not None:
-                    sampling["seed"] = request["resume"]["seed"]
-                adapter = tuple(request["adapter"]) if request.get("adapter") else None
-                if adapter is not None:
-                    await self._note_adapter(adapter[0])
-                params = [SamplingParams(**choice_sampling(sampling, i)) for i in range(n)]
-                streams = await self._first_events(prompt_ids, params, choice_ids, tenant, adapter, resume)
+                    sampling = dataclasses.replace(sampling, seed=request.resume.seed)
+                if request.adapter is not None:
+                    await self._note_adapter(request.adapter[0])
+                params = [choice_sampling(sampling, i) for i in range(n)]
+                streams = await self._first_events(prompt_ids, params, choice_ids, tenant, request.adapter, resume)
             except InvalidRequest as e:
                 outcome = "invalid"
-                yield {"error": str(e), "status": 400}
+                yield Failure(str(e), 400)
                 return
             except (QueueFull, EngineDeadError) as e:
                 outcome = "unavailable"
-                yield {"error": str(e), "status": 503, **self._retry(e)}
+                yield self._failure(str(e), e)
                 return
             except RequestFailed as e:
                 outcome = "error"
                 log.error("replica %s: request %s failed in the engine: %s", self.replica_id, request_id, e)
-                yield {"error": "the engine failed to run this request", "status": 500}
+                yield Failure("the engine failed to run this request", 500)
                 return
             first_at, ended = None, 0
             try:
@@ -404,36 +417,31 @@ class LLMReplica:
                         first_at = now
                         self.metrics.ttft.observe(now - start)
                     logprobs = logprob_items(self.tokenizer, event) if params[index].logprobs is not None else None
-                    yield {
-                        "index": index,
-                        "text": event.text,
-                        "finish_reason": event.finish_reason,
-                        "prompt_tokens": event.prompt_tokens,
-                        "completion_tokens": event.completion_tokens,
-                        "logprobs": logprobs,
-                        "token_ids": event.token_ids,
-                        "seed": event.seed,
-                        "detok": event.detok,
-                        "replica_id": self.replica_id,
-                    }
+                    yield ChoiceChunk(
+                        index,
+                        event.text,
+                        event.finish_reason,
+                        event.prompt_tokens,
+                        event.completion_tokens,
+                        event.token_ids,
+                        event.seed,
+                        event.detok,
+                        self.replica_id,
+                        logprobs,
+                    )
                     if event.finish_reason is not None:
                         ended += 1
                         outcome = "ok" if ended == n else outcome
                         if first_at is not None and event.completion_tokens > 1:
                             self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
                     if event.finish_reason == "abort" and self.draining:  # ended by a swap's drain timeout
-                        yield {
-                            "error": "the model is being swapped and this request ran past the drain timeout; retry it",
-                            "status": 503,
-                        }
+                        yield Failure(
+                            "the model is being swapped and this request ran past the drain timeout; retry it", 503
+                        )
             except (EngineDeadError, RequestFailed) as e:
                 outcome = "engine_failed"
                 log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)
-                yield {
-                    "error": "the engine failed while generating this completion; retry the request",
-                    "status": 503,
-                    **self._retry(e),
-                }
+                yield self._failure("the engine failed while generating this completion; retry the request", e)
         finally:
             for choice_id in choice_ids:
                 self.tenant_of.pop(choice_id, None)
@@ -467,9 +475,11 @@ class LLMReplica:
             raise failures[0]
         return results
 
-    def _retry(self, error: Exception) -> dict:
-        """What an error item adds for the ingress: a dead engine is retried on another replica."""
-        return {"retry": True, "replica_id": self.replica_id} if isinstance(error, EngineDeadError) else {}
+    def _failure(self, message: str, error: Exception) -> Failure:
+        """A 503 for the ingress: a dead engine's request is retried on another replica."""
+        if isinstance(error, EngineDeadError):
+            return Failure(message, 503, retry=True, replica_id=self.replica_id)
+        return Failure(message, 503)
 
     async def _first_event(
         self,
@@ -533,24 +543,21 @@ async def _merged(
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-def choice_sampling(sampling: dict, index: int) -> dict:
-    """Choice `index`'s sampling fields: a seeded request's choices each get a seed of their own
-    (choice 0 the request's), an unseeded one's each get a random one in the engine."""
-    if sampling["seed"] is None or index == 0:
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: a seeded request's choices each get a seed of their own (choice 0
+    the request's), an unseeded one's each get a random one in the engine."""
+    if sampling.seed is None or index == 0:
         return sampling
-    return {**sampling, "seed": choice_seed(sampling["seed"], index)}
+    return dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
 
 
-def logprob_items(tokenizer, event: StreamEvent) -> list[dict]:
+def logprob_items(tokenizer, event: StreamEvent) -> list[LogprobItem]:
     """The event's tokens' logprobs with their alternatives', each token's text as the tokenizer
     decodes that token alone (special tokens included), in one call to the tokenizer."""
     logprobs = event.logprobs or []
     ids = [t for token, lp in zip(event.token_ids, logprobs) for t in (token, *(a for a, _ in lp.top))]
     texts = iter(tokenizer.batch_decode([[t] for t in ids]))
-    return [
-        {"token": next(texts), "logprob": lp.logprob, "top": [(next(texts), value) for _, value in lp.top]}
-        for lp in logprobs
-    ]
+    return [LogprobItem(next(texts), lp.logprob, [(next(texts), value) for _, value in lp.top]) for lp in logprobs]
 
 
 def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: dict) -> int:

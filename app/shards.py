@@ -25,10 +25,10 @@ from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import model_dir
-from workers.protocol import EngineRequest, StreamEvent
+from workers.protocol import CheckAdapter, EngineRequest, Gate, StreamEvent, SwapInPlace
 from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig, EngineStatus
-from workers.serving.engine_process import CHECK_ADAPTER, GATE, SWAP_IN_PLACE, EngineProcess
+from workers.serving.engine_process import EngineProcess
 from workers.serving.model_gate import same_shapes
 from workers.tensor_parallel.shard import ShardWorker
 
@@ -89,7 +89,7 @@ class LocalEngine:
         try:
             if _in_place(old, config):
                 try:
-                    report = await self.runner.ask(SWAP_IN_PLACE, config)
+                    report = await self.runner.ask(SwapInPlace(config))
                 except Exception as e:
                     raise SwapFailed(f"{e}") from e
                 self.tokenizer = self.runner.tokenizer = load_tokenizer(model_dir(config.model))
@@ -99,7 +99,7 @@ class LocalEngine:
             try:
                 self.config, self.tokenizer = config, load_tokenizer(model_dir(config.model))
                 self.runner = await asyncio.to_thread(self._spawn)
-                report = await self.runner.ask(GATE)
+                report = await self.runner.ask(Gate())
             except Exception as e:
                 log.error("the new model did not pass (%s); starting the old one again", e)
                 if self.runner.alive:
@@ -118,7 +118,7 @@ class LocalEngine:
         """Gate the model the child serves (a persisted swap target at start-up)."""
         self.swapping = True
         try:
-            return await self.runner.ask(GATE, None, self.start_timeout_s)
+            return await self.runner.ask(Gate(), self.start_timeout_s)
         finally:
             self.swapping = False
 
@@ -134,7 +134,7 @@ class LocalEngine:
 
     async def check_adapter(self, name: str, path: str) -> dict:
         """Load and verify an adapter in the engine (InvalidRequest says why it cannot serve)."""
-        return await self.runner.ask(CHECK_ADAPTER, (name, path), self.start_timeout_s)
+        return await self.runner.ask(CheckAdapter(name, path), self.start_timeout_s)
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.runner.set_graph_denial(request_id, reason)

@@ -12,6 +12,8 @@ from ray import serve
 
 from app.controller import GraphController
 from tests.integration.helpers import running_app, settled, wait_for
+from workers.protocol import GenerateRequest, Item, decode_item, encode
+from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 APP = "outage"
@@ -49,11 +51,11 @@ def llm_handle():
     return serve.get_deployment_handle("LLMReplica", app_name=f"graphserve-{APP}")
 
 
-def generate(tenant: str) -> list[dict]:
+def generate(tenant: str) -> list[Item]:
     """One request straight to the replica (the ingress needs the controller to see readiness)."""
-    sampling = dict(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=(), ignore_eos=True)
-    payload = {"tenant": tenant, "kind": "completion", "prompt": "Hello", "sampling": sampling}
-    return list(llm_handle().options(stream=True).generate.remote(payload))
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True)
+    request = GenerateRequest(tenant, "completion", sampling, max_tokens=4, prompt="Hello")
+    return [decode_item(data) for data in llm_handle().options(stream=True).generate.remote(encode(request))]
 
 
 def disabled_rows() -> int:
@@ -71,7 +73,7 @@ def test_replica_is_ready_and_uses_the_config_toggles_while_the_controller_is_do
     assert server.http.get("/admin/status", headers=server.admin_headers()).status_code == 503
     assert "tenant_disabled" not in fallback_rate()
     items = generate("tenant-b")  # graphs off for tenant-b in the config: decoded eagerly
-    assert items[-1]["finish_reason"] == "length" and items[-1]["completion_tokens"] == 4
+    assert items[-1].finish_reason == "length" and items[-1].completion_tokens == 4
     wait_for(lambda: fallback_rate().get("tenant_disabled", 0) > 0, 30, what="tenant-b's eager rows reported")
 
 

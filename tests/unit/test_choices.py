@@ -10,7 +10,7 @@ import pytest
 from app.replica import _merged, choice_sampling, fit_choices, logprob_items
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from workers.protocol import StreamEvent
-from workers.serving.sampling import InvalidRequest, TokenLogprob, choice_seed
+from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, choice_seed
 
 KV = {"pages": 64, "page_size": 16}  # 1024 tokens
 
@@ -23,10 +23,10 @@ def tiny(tmp_path_factory) -> Tiny:
 def test_choice_sampling_seeds():
     """Choice 0 keeps the request's fields as they are; the others get derived seeds; an unseeded
     request's choices stay unseeded (each gets a random seed in the engine)."""
-    sampling = {"seed": 42, "temperature": 0.7}
+    sampling = SamplingParams(seed=42, temperature=0.7)
     assert choice_sampling(sampling, 0) is sampling
-    assert choice_sampling(sampling, 3) == {"seed": choice_seed(42, 3), "temperature": 0.7}
-    assert choice_sampling({"seed": None}, 3) == {"seed": None}
+    assert choice_sampling(sampling, 3) == SamplingParams(seed=choice_seed(42, 3), temperature=0.7)
+    assert choice_sampling(SamplingParams(), 3) == SamplingParams()
 
 
 def test_choices_must_fit_the_kv_pool_side_by_side():
@@ -110,7 +110,8 @@ def test_logprob_items_decode_each_token_alone(tiny):
     assert len(ids) == 3
     logprobs = [TokenLogprob(-0.1 * (k + 1), [(ids[k], -0.1 * (k + 1)), (ord("a"), -3.0)]) for k in range(3)]
     items = logprob_items(tok, StreamEvent("r", ids, "é!", 2, 3, None, logprobs))
-    assert [i["token"] for i in items] == [tok.decode([t]) for t in ids]
-    assert items[2] == {"token": "!", "logprob": pytest.approx(-0.3), "top": [("!", pytest.approx(-0.3)), ("a", -3.0)]}
-    assert items[0]["token"] == "\ufffd"
+    assert [i.token for i in items] == [tok.decode([t]) for t in ids]
+    assert items[2].token == "!" and items[2].logprob == pytest.approx(-0.3)
+    assert items[2].top == [("!", pytest.approx(-0.3)), ("a", -3.0)]
+    assert items[0].token == "\ufffd"
     assert logprob_items(tok, StreamEvent("r", [], "", 2, 3, "stop", None)) == []

@@ -12,12 +12,25 @@ import random
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from app.failover import MAX_FAILOVERS, FailoverRouter, Progress, avoided, continuation
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from tests.unit.test_detokenizer import random_chunks
-from workers.protocol import Resume, StreamEvent
+from workers.protocol import (
+    ChoiceChunk,
+    Continuation,
+    Failure,
+    GenerateRequest,
+    Item,
+    LogprobItem,
+    Resume,
+    StreamEvent,
+    decode_item,
+    decode_request,
+    encode,
+)
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
@@ -161,77 +174,101 @@ async def test_a_continuation_with_nothing_left_to_generate_is_refused(tiny, run
 # ---------------------------------------------------------------- the ingress's bookkeeping
 
 
-def chunk(ids: list[int], replica: str = "r1", seed: int = 9) -> dict:
-    return {
-        "text": "x",
-        "finish_reason": None,
-        "prompt_tokens": 3,
-        "completion_tokens": 0,
-        "token_ids": ids,
-        "seed": seed,
-        "detok": DetokState(0, len(ids), ""),
-        "replica_id": replica,
-    }
+def chunk(ids: list[int], replica: str = "r1", seed: int = 9, index: int = 0, finish: str | None = None):
+    text = "".join(map(str, ids))
+    return ChoiceChunk(index, text, finish, 3, 0, ids, seed, DetokState(0, len(ids), ""), replica)
 
 
-ENGINE_DEAD = {"error": "the engine failed", "status": 503, "retry": True, "replica_id": "r1"}
+ENGINE_DEAD = Failure("the engine failed", 503, retry=True, replica_id="r1")
+GONE = Failure("the replica serving this request failed", 503, retry=True)
+
+
+def request(n: int = 1, seed: int | None = None) -> GenerateRequest:
+    return GenerateRequest("tenant", "completion", SamplingParams(seed=seed), n=n, prompt="hi")
 
 
 def test_progress_resumes_from_what_the_client_has_and_avoids_who_failed():
-    request = {"prompt": "hi", "sampling": {"seed": None}}
+    first = request()
     progress = Progress()
-    assert progress.payload(request) is request  # a first attempt goes out as it came
+    assert progress.payload(first) is first  # a first attempt goes out as it came
     progress.record(chunk([1, 2]))
     progress.record(chunk([3]))
     assert progress.fail(ENGINE_DEAD)
-    payload = progress.payload(request)
-    assert payload["avoid"] == ["r1"] and payload["prompt"] == "hi" and "resume" not in request
-    assert payload["resume"] == {"output_ids": [1, 2, 3], "seed": 9, "detok": (0, 1, "")}
-    resume = continuation(payload)
-    assert resume == Resume([1, 2, 3], DetokState(0, 1, "")) and continuation(request) is None
+    payload = progress.payload(first)
+    assert payload.avoid == ("r1",) and payload.prompt == "hi" and first.resume is None
+    assert payload.resume == Continuation([1, 2, 3], 9, DetokState(0, 1, ""))
+    assert continuation(payload) == Resume([1, 2, 3], DetokState(0, 1, "")) and continuation(first) is None
 
     progress.record(chunk([4], replica="r2"))  # the second replica fails without naming itself
-    assert progress.fail({"error": "the replica serving this request failed", "status": 503, "retry": True})
-    assert progress.payload(request)["avoid"] == ["r1", "r2"]
-    assert progress.payload(request)["resume"]["output_ids"] == [1, 2, 3, 4]
+    assert progress.fail(GONE)
+    assert progress.payload(first).avoid == ("r1", "r2")
+    assert progress.payload(first).resume.output_ids == [1, 2, 3, 4]
 
 
 def test_a_failure_before_any_item_resumes_nothing():
     progress = Progress()
-    assert progress.fail({"error": "the replica serving this request failed", "status": 503, "retry": True})
-    assert progress.payload({"prompt": "hi"}) == {"prompt": "hi", "avoid": [], "resume": None}
+    assert progress.fail(GONE)
+    assert progress.payload(request()) == msgspec.structs.replace(request(), avoid=(), resume=None)
+
+
+def test_only_a_one_choice_request_is_continued():
+    resumed = msgspec.structs.replace(request(n=2), resume=Continuation([1], 9, DetokState(0, 1, "")))
+    with pytest.raises(InvalidRequest):
+        continuation(resumed)
 
 
 @pytest.mark.parametrize(
     "failure",
     [
-        {"error": "bad adapter", "status": 400},
-        {"error": "the queue is full", "status": 503},
-        {"error": "the engine failed to run this request", "status": 500},
-        {"error": "this replica is swapping its model", "status": 503, "swapping": True},
+        Failure("bad adapter", 400),
+        Failure("the queue is full", 503),
+        Failure("the engine failed to run this request", 500),
+        Failure("this replica is swapping its model", 503, swapping=True),
     ],
 )
 def test_client_errors_and_other_failures_are_not_retried(failure):
     progress = Progress()
     progress.record(chunk([1]))
     assert not progress.fail(failure)
-    assert progress.payload({"prompt": "hi"}) == {"prompt": "hi"}
+    assert progress.payload(request()) == request()
 
 
 def test_failovers_are_bounded():
     progress = Progress()
     for n in range(MAX_FAILOVERS):
         progress.record(chunk([n], replica=f"r{n}"))
-        assert progress.fail({**ENGINE_DEAD, "replica_id": f"r{n}"})
+        assert progress.fail(msgspec.structs.replace(ENGINE_DEAD, replica_id=f"r{n}"))
     assert not progress.fail(ENGINE_DEAD)
+
+
+def test_the_wire_round_trips_every_message():
+    """What the ingress and a replica exchange decodes to what was encoded, and a message of the
+    wrong shape is refused when decoded rather than read wrong."""
+    resumed = msgspec.structs.replace(
+        request(n=1, seed=5), resume=Continuation([1, 2], 5, DetokState(0, 2, "a")), avoid=("r1",)
+    )
+    assert decode_request(encode(resumed)) == resumed
+    with_logprobs = msgspec.structs.replace(chunk([7]), logprobs=[LogprobItem("x", -0.5, [("x", -0.5), ("y", -1.0)])])
+    for item in (chunk([1, 2], finish="stop"), with_logprobs, ENGINE_DEAD, GONE):
+        assert decode_item(encode(item)) == item
+    with pytest.raises(msgspec.ValidationError):
+        decode_item(encode(request()))
+    bad = msgspec.structs.replace(request(), max_tokens=None)
+    wire = encode(bad)
+    zero_tokens = wire.replace(
+        msgspec.msgpack.encode("max_tokens") + b"\x10", msgspec.msgpack.encode("max_tokens") + b"\x00"
+    )
+    assert zero_tokens != wire
+    with pytest.raises(msgspec.ValidationError, match="max_tokens"):  # sampling is checked when decoded
+        decode_request(zero_tokens)
 
 
 def test_the_router_reads_what_a_request_avoids():
     def pending(*args):
         return SimpleNamespace(args=list(args))
 
-    assert avoided(pending({"prompt": "hi", "avoid": ["r1", "r2"]})) == {"r1", "r2"}
-    assert avoided(pending({"prompt": "hi"})) == set()
+    assert avoided(pending(encode(msgspec.structs.replace(request(), avoid=("r1", "r2"))))) == {"r1", "r2"}
+    assert avoided(pending(encode(request()))) == set()
     assert avoided(pending("adapter-name", "/path")) == set()  # check_adapter calls
     assert avoided(None) == set()
 
@@ -252,7 +289,8 @@ async def test_the_router_never_offers_an_avoided_replica():
     )
 
     def pending(avoid):
-        return SimpleNamespace(args=[{"avoid": avoid}], metadata=SimpleNamespace(multiplexed_model_id=""))
+        args = [encode(msgspec.structs.replace(request(), avoid=tuple(avoid)))]
+        return SimpleNamespace(args=args, metadata=SimpleNamespace(multiplexed_model_id=""))
 
     for _ in range(20):
         (chosen,) = await FailoverRouter.choose_replicas(router, [], pending(["r1"]))
@@ -267,7 +305,7 @@ async def test_the_router_never_offers_an_avoided_replica():
 class FakeResponse:
     """A replica's streamed answer: its items, then the stream ends, raises, or never goes on."""
 
-    def __init__(self, items: list[dict], then: str = "end") -> None:
+    def __init__(self, items: list[Item], then: str = "end") -> None:
         self.items, self.then, self.cancelled = items, then, False
         self._stream = self._items()
 
@@ -279,7 +317,7 @@ class FakeResponse:
 
     async def _items(self):
         for item in self.items:
-            yield item
+            yield encode(item)
         if self.then == "raise":
             raise ConnectionError("the replica's actor died")
         if self.then == "hang":
@@ -293,8 +331,8 @@ class FakeHandle:
         self.responses, self.payloads = list(responses), []
         self.generate = SimpleNamespace(remote=self._remote)
 
-    def _remote(self, payload: dict) -> FakeResponse:
-        self.payloads.append(payload)
+    def _remote(self, data: bytes) -> FakeResponse:
+        self.payloads.append(decode_request(data))
         return self.responses.pop(0)
 
 
@@ -315,12 +353,12 @@ def ingress(responses: list[FakeResponse], serving: set[str]):
     return fake
 
 
-def text_chunk(ids: list[int], replica: str, finish: str | None = None) -> dict:
-    return {**chunk(ids, replica), "text": "".join(map(str, ids)), "finish_reason": finish}
+def text_chunk(ids: list[int], replica: str, finish: str | None = None) -> ChoiceChunk:
+    return chunk(ids, replica, finish=finish)
 
 
-async def drain(fake) -> list[dict]:
-    return [item async for item in fake._resumable({"prompt": "hi", "sampling": {}}, None)]
+async def drain(fake) -> list[Item]:
+    return [item async for item in fake._resumable(request(), None)]
 
 
 async def test_the_ingress_goes_on_on_another_replica_after_an_engine_or_replica_failure():
@@ -329,16 +367,16 @@ async def test_the_ingress_goes_on_on_another_replica_after_an_engine_or_replica
     third = FakeResponse([text_chunk([4], "r3", "length")])
     fake = ingress([first, second, third], {"r1", "r2", "r3"})
     items = await drain(fake)
-    assert [i["text"] for i in items] == ["12", "3", "4"] and items[-1]["finish_reason"] == "length"
+    assert [i.text for i in items] == ["12", "3", "4"] and items[-1].finish_reason == "length"
     assert first.cancelled and second.cancelled
     _, to_r2, to_r3 = fake.llm.payloads
-    assert to_r2["avoid"] == ["r1"] and to_r2["resume"]["output_ids"] == [1, 2]
-    assert to_r3["avoid"] == ["r1", "r2"] and to_r3["resume"]["output_ids"] == [1, 2, 3]
+    assert to_r2.avoid == ("r1",) and to_r2.resume.output_ids == [1, 2]
+    assert to_r3.avoid == ("r1", "r2") and to_r3.resume.output_ids == [1, 2, 3]
 
 
 @pytest.mark.parametrize("serving", [{"r1"}, {"r1", "r2"}])
 async def test_the_ingress_does_not_retry_client_errors_or_without_another_replica(serving):
-    refused = {"error": "adapter 'x' cannot be served", "status": 400}
+    refused = Failure("adapter 'x' cannot be served", 400)
     rest = FakeResponse([text_chunk([2], "r2", "length")])
     fake = ingress([FakeResponse([text_chunk([1], "r1"), refused]), rest], serving)
     assert (await drain(fake))[-1] == refused and len(fake.llm.payloads) == 1
@@ -350,9 +388,11 @@ async def test_the_ingress_does_not_retry_client_errors_or_without_another_repli
 async def test_the_ingress_gives_up_after_the_bound_or_the_deadline(monkeypatch):
     from app.ingress import Ingress
 
-    failing = [FakeResponse([ENGINE_DEAD | {"replica_id": f"r{n}"}]) for n in range(MAX_FAILOVERS + 1)]
+    failing = [
+        FakeResponse([msgspec.structs.replace(ENGINE_DEAD, replica_id=f"r{n}")]) for n in range(MAX_FAILOVERS + 1)
+    ]
     fake = ingress(failing, {f"r{n}" for n in range(MAX_FAILOVERS + 2)})
-    assert (await drain(fake))[-1]["retry"] and len(fake.llm.payloads) == MAX_FAILOVERS + 1
+    assert (await drain(fake))[-1].retry and len(fake.llm.payloads) == MAX_FAILOVERS + 1
 
     # Serve's ingress decorator gives the class's functions globals of their own: patch those.
     monkeypatch.setitem(Ingress._resumable.__globals__, "FAILOVER_TIMEOUT_S", 0.05)
@@ -370,16 +410,17 @@ class ByChoiceHandle(FakeHandle):
         super().__init__([first])
         self.continuations = continuations
 
-    def _remote(self, payload: dict) -> FakeResponse:
-        if payload["n"] > 1:
-            return super()._remote(payload)
+    def _remote(self, data: bytes) -> FakeResponse:
+        payload = decode_request(data)
+        if payload.n > 1:
+            return super()._remote(data)
         self.payloads.append(payload)
-        resume = payload["resume"]
-        return self.continuations[tuple(resume["output_ids"]) if resume else payload["sampling"]["seed"]]
+        resume = payload.resume
+        return self.continuations[tuple(resume.output_ids) if resume else payload.sampling.seed]
 
 
-def choice(index: int, ids: list[int], replica: str = "r1", finish: str | None = None, seed: int = 9) -> dict:
-    return {**chunk(ids, replica, seed), "text": "".join(map(str, ids)), "finish_reason": finish, "index": index}
+def choice(index: int, ids: list[int], replica: str = "r1", finish: str | None = None, seed: int = 9) -> ChoiceChunk:
+    return chunk(ids, replica, seed, index, finish)
 
 
 def choices_ingress(first: FakeResponse, continuations: dict, serving: set[str]):
@@ -388,7 +429,7 @@ def choices_ingress(first: FakeResponse, continuations: dict, serving: set[str])
     return fake
 
 
-N_CHOICES = {"prompt": "hi", "n": 3, "sampling": {"seed": 7}}
+N_CHOICES = request(n=3, seed=7)
 
 
 async def test_an_n_choice_request_goes_on_choice_by_choice_after_its_engine_fails():
@@ -401,17 +442,17 @@ async def test_an_n_choice_request_goes_on_choice_by_choice_after_its_engine_fai
     }
     fake = choices_ingress(first, going_on, {"r1", "r2"})
     items = [item async for item in fake._choices(N_CHOICES, None)]
-    texts = {i: "".join(item["text"] for item in items if item["index"] == i) for i in range(3)}
+    texts = {i: "".join(item.text for item in items if item.index == i) for i in range(3)}
     assert texts == {0: "123", 1: "56", 2: "9"}
-    assert sorted(item["index"] for item in items if item["finish_reason"]) == [0, 1, 2]
+    assert sorted(item.index for item in items if item.finish_reason) == [0, 1, 2]
     assert first.cancelled and all(r.cancelled for r in going_on.values())
-    sent = {tuple(p["resume"]["output_ids"]): p for p in fake.llm.payloads[1:]}
+    sent = {tuple(p.resume.output_ids): p for p in fake.llm.payloads[1:]}
     assert set(sent) == {(1, 2), (5,)}  # the finished choice 2 is not sent again
     for ids, index in (((1, 2), 0), ((5,), 1)):
         payload = sent[ids]
-        assert payload["n"] == 1 and payload["avoid"] == ["r1"]
-        assert payload["sampling"]["seed"] == choice_seed(7, index)
-    assert sent[(5,)]["resume"]["seed"] == 71  # the seed the replica gave choice 1 carries over
+        assert payload.n == 1 and payload.avoid == ("r1",)
+        assert payload.sampling.seed == choice_seed(7, index)
+    assert sent[(5,)].resume.seed == 71  # the seed the replica gave choice 1 carries over
 
 
 async def test_choices_lost_before_any_item_go_on_one_after_another_each_with_its_seed():
@@ -421,29 +462,29 @@ async def test_choices_lost_before_any_item_go_on_one_after_another_each_with_it
 
     class Logged(FakeResponse):
         async def _items(self):
-            async for item in super()._items():
-                log.append(("item", item["seed"]))
-                yield item
+            async for data in super()._items():
+                log.append(("item", decode_item(data).seed))
+                yield data
 
     seeds = [choice_seed(7, i) for i in range(3)]
     going_on = {seed: Logged([choice(0, [i], "r2", "length", seed=seed)]) for i, seed in enumerate(seeds)}
     fake = choices_ingress(FakeResponse([], then="raise"), going_on, {"r1", "r2"})
     remote = fake.llm.generate.remote
-    fake.llm.generate.remote = lambda payload: log.append(("sent", payload["sampling"]["seed"])) or remote(payload)
+    fake.llm.generate.remote = lambda data: log.append(("sent", decode_request(data).sampling.seed)) or remote(data)
     items = await asyncio.wait_for(_drain_choices(fake), 5)
-    assert items[0]["index"] == 0 and items[0]["seed"] == 7  # the seed header is choice 0's
-    assert sorted((item["index"], item["text"]) for item in items) == [(0, "0"), (1, "1"), (2, "2")]
-    assert [p["resume"] for p in fake.llm.payloads[1:]] == [None] * 3
+    assert items[0].index == 0 and items[0].seed == 7  # the seed header is choice 0's
+    assert sorted((item.index, item.text) for item in items) == [(0, "0"), (1, "1"), (2, "2")]
+    assert [p.resume for p in fake.llm.payloads[1:]] == [None] * 3
     assert log == [("sent", 7)] + [(kind, seed) for seed in seeds for kind in ("sent", "item")]  # 7: all 3, lost
 
 
-async def _drain_choices(fake) -> list[dict]:
+async def _drain_choices(fake) -> list[Item]:
     return [item async for item in fake._choices(N_CHOICES, None)]
 
 
 @pytest.mark.parametrize("serving", [{"r1"}, {"r1", "r2"}])
 async def test_an_n_choice_request_is_not_continued_after_a_client_error_or_without_another_replica(serving):
-    refused = {"error": "adapter 'x' cannot be served", "status": 400}
+    refused = Failure("adapter 'x' cannot be served", 400)
     fake = choices_ingress(FakeResponse([choice(0, [1]), refused]), {}, serving)
     assert (await _drain_choices(fake))[-1] == refused and len(fake.llm.payloads) == 1
     if serving == {"r1"}:

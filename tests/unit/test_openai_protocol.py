@@ -13,6 +13,8 @@ from starlette.responses import JSONResponse
 
 from app.ingress import _json_body, api
 from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape
+from workers.protocol import ChoiceChunk, LogprobItem
+from workers.serving.detokenizer import DetokState
 
 
 class FakeRequest:
@@ -151,8 +153,8 @@ def test_ints_are_numbers():
     """JSON has one number type: an integer temperature or top_p is accepted (as a float)."""
     req = CompletionRequest.model_validate({**COMPLETION, "temperature": 1, "top_p": 1, "presence_penalty": 0})
     sampling = req.sampling()
-    assert sampling["temperature"] == 1.0 and isinstance(sampling["temperature"], float)
-    assert sampling["top_p"] == 1.0 and isinstance(sampling["top_p"], float)
+    assert sampling.temperature == 1.0 and isinstance(sampling.temperature, float)
+    assert sampling.top_p == 1.0 and isinstance(sampling.top_p, float)
 
 
 def test_valid_values_pass():
@@ -173,14 +175,14 @@ def test_valid_values_pass():
             "stream_options": {"include_usage": True},
         }
     )
-    assert req.sampling()["max_tokens"] == 5 and req.sampling()["stop"] == ("a", "b")
+    assert req.requested_max_tokens() == 5 and req.sampling().stop == ("a", "b")
     assert CompletionRequest.model_validate({**COMPLETION, "prompt": [1, 2], "echo": False}).prompt == [1, 2]
 
 
 def test_stop_at_the_cap_is_accepted():
     """The cap is inclusive: STOP_MAX_CHARS characters (not bytes) is fine, one more is not."""
     stop = "€" * STOP_MAX_CHARS
-    assert CompletionRequest.model_validate({**COMPLETION, "stop": stop}).sampling()["stop"] == (stop,)
+    assert CompletionRequest.model_validate({**COMPLETION, "stop": stop}).sampling().stop == (stop,)
     with pytest.raises(ValidationError, match=str(STOP_MAX_CHARS)):
         CompletionRequest.model_validate({**COMPLETION, "stop": stop + "€"})
 
@@ -252,13 +254,13 @@ def test_penalties_bias_and_logprobs_reach_the_sampling_fields():
     )
     sampling = req.sampling()
     assert req.n == 16
-    assert sampling["presence_penalty"] == -2.0 and sampling["frequency_penalty"] == 1.5
-    assert sampling["repetition_penalty"] == 1.2 and sampling["logprobs"] == 20
-    assert sampling["logit_bias"] == ((50256, -100.0), (7, 2.5))
-    assert CompletionRequest.model_validate(COMPLETION).sampling()["logprobs"] is None
-    assert CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}).sampling()["logprobs"] == 0
+    assert sampling.presence_penalty == -2.0 and sampling.frequency_penalty == 1.5
+    assert sampling.repetition_penalty == 1.2 and sampling.logprobs == 20
+    assert sampling.logit_bias == ((50256, -100.0), (7, 2.5))
+    assert CompletionRequest.model_validate(COMPLETION).sampling().logprobs is None
+    assert CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}).sampling().logprobs == 0
     chat = [
-        ChatRequest.model_validate({**CHAT, **c}).sampling()["logprobs"]
+        ChatRequest.model_validate({**CHAT, **c}).sampling().logprobs
         for c in ({}, {"logprobs": False}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 5})
     ]
     assert chat == [None, None, 0, 5]
@@ -298,9 +300,14 @@ def test_bad_sampling_fields_are_refused_naming_them(schema, changes, field):
 
 # -- response shapes -------------------------------------------------------------------------------
 
+
+def chunk(text: str, finish_reason: str | None, completion_tokens: int, logprobs: list[LogprobItem]) -> ChoiceChunk:
+    return ChoiceChunk(0, text, finish_reason, 3, completion_tokens, [], None, DetokState(0, 0, ""), "r", logprobs)
+
+
 TOKENS = [
-    {"token": "Hi", "logprob": -0.5, "top": [("Hi", -0.5), ("Ho", -1.25)]},
-    {"token": "é", "logprob": -2.0, "top": [("a", -0.1), ("é", -2.0), ("a", -2.5)]},
+    LogprobItem("Hi", -0.5, [("Hi", -0.5), ("Ho", -1.25)]),
+    LogprobItem("é", -2.0, [("a", -0.1), ("é", -2.0), ("a", -2.5)]),
 ]
 
 
@@ -309,9 +316,9 @@ def test_whole_chat_response_with_choices_and_logprobs():
     logprobs as OpenAI shapes them, with each token's UTF-8 bytes."""
     shape = ResponseShape(True, "m", n=2, logprobs=True)
     first, second = Choice(), Choice()
-    first.add({"text": "Hié", "finish_reason": "length", "completion_tokens": 2, "logprobs": TOKENS})
-    second.add({"text": "x", "finish_reason": None, "completion_tokens": 1, "logprobs": TOKENS[:1]})
-    second.add({"text": "", "finish_reason": "stop", "completion_tokens": 1, "logprobs": []})
+    first.add(chunk("Hié", "length", 2, TOKENS))
+    second.add(chunk("x", None, 1, TOKENS[:1]))
+    second.add(chunk("", "stop", 1, []))
     body = shape.whole([first, second], prompt_tokens=7)
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert [c["message"]["content"] for c in body["choices"]] == ["Hié", "x"]

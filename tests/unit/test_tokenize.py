@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 from app.replica import tokenize
 from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
 from workers.modeling.default_model import CHAT_TEMPLATE, build_byte_tokenizer
-from workers.serving.sampling import InvalidRequest
+from workers.protocol import GenerateRequest
+from workers.serving.sampling import InvalidRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +24,13 @@ def strict_tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
-def chat(*turns: tuple[str, str]) -> dict:
-    return {"kind": "chat", "messages": [{"role": role, "content": content} for role, content in turns]}
+def chat(*turns: tuple[str, str]) -> GenerateRequest:
+    messages = [{"role": role, "content": content} for role, content in turns]
+    return GenerateRequest("tenant", "chat", SamplingParams(), messages=messages)
+
+
+def completion(prompt: str | list[int]) -> GenerateRequest:
+    return GenerateRequest("tenant", "completion", SamplingParams(), prompt=prompt)
 
 
 def test_template_raise_exception_is_invalid_request(strict_tokenizer):
@@ -63,7 +69,7 @@ def test_lone_surrogate_prompt_is_invalid_request(strict_tokenizer):
     """A string holding a lone surrogate (the tokenizer raises TypeError) is refused with a reason a
     client can act on, as a completion prompt and as chat content."""
     with pytest.raises(InvalidRequest, match="surrogate"):
-        tokenize(strict_tokenizer, {"kind": "completion", "prompt": "ok \ud800"})
+        tokenize(strict_tokenizer, completion("ok \ud800"))
     with pytest.raises(InvalidRequest, match="surrogate"):
         tokenize(strict_tokenizer, chat(("user", "\udfff")))
 
@@ -76,8 +82,8 @@ def test_model_without_chat_template_is_invalid_request():
 
 
 def test_prompt_ids_and_text(strict_tokenizer):
-    assert tokenize(strict_tokenizer, {"kind": "completion", "prompt": [5, 6]}) == [5, 6]
-    assert tokenize(strict_tokenizer, {"kind": "completion", "prompt": "hi"}) == strict_tokenizer("hi")["input_ids"]
+    assert tokenize(strict_tokenizer, completion([5, 6])) == [5, 6]
+    assert tokenize(strict_tokenizer, completion("hi")) == strict_tokenizer("hi")["input_ids"]
 
 
 class BrokenTokenizer:
@@ -95,6 +101,6 @@ class BrokenTokenizer:
 def test_other_failures_are_not_turned_into_400s():
     """Only the refusals of bad input become InvalidRequest: a failing tokenizer still raises."""
     with pytest.raises(RuntimeError, match="crashed"):
-        tokenize(BrokenTokenizer(), {"kind": "completion", "prompt": "hi"})
+        tokenize(BrokenTokenizer(), completion("hi"))
     with pytest.raises(MemoryError):
         tokenize(BrokenTokenizer(), chat(("user", "hi")))

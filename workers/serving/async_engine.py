@@ -23,17 +23,24 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
-from workers.protocol import Coalescing, EngineRequest, Resume, StreamEvent
+from workers.protocol import (
+    Abort,
+    Add,
+    Call,
+    Coalescing,
+    Command,
+    Deny,
+    EngineRequest,
+    Resume,
+    Stop,
+    StreamEvent,
+)
 from workers.serving.detokenizer import IncrementalDetokenizer
 from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
 from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
 
 log = logging.getLogger(__name__)
-
-# Commands from the front to the step loop: (kind, argument).
-ADD, ABORT, DENY, CALL, STOP = "add", "abort", "deny", "call", "stop"
-Command = tuple[str, object]
 
 
 class EngineDeadError(RuntimeError):
@@ -45,32 +52,31 @@ class RequestFailed(RuntimeError):
 
 
 def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
-    kind, arg = command
-    if kind == ADD:
-        engine.add_sequence(arg)
-    elif kind == CALL:  # (fn, future): fn(engine) between two steps, its result or error into the future
-        fn, done = arg
-        try:
-            done.set_result(fn(engine))
-        except Exception as e:
-            done.set_exception(e)
-    elif kind == DENY:
-        seq = engine.scheduler.find(arg[0])
-        if seq is not None:
-            seq.graph_denial = arg[1]
-    elif kind == ABORT and engine.abort(*arg):
-        return [TokenEvent(arg[0], [], arg[1])]
+    match command:
+        case Add(seq):
+            engine.add_sequence(seq)
+        case Call(fn, done):
+            try:
+                done.set_result(fn(engine))
+            except Exception as e:
+                done.set_exception(e)
+        case Deny(request_id, reason):
+            seq = engine.scheduler.find(request_id)
+            if seq is not None:
+                seq.graph_denial = reason
+        case Abort(request_id, reason) if engine.abort(request_id, reason):
+            return [TokenEvent(request_id, [], reason)]
     return []
 
 
-def apply_contained(engine: LLMEngine, command: Command) -> list[TokenEvent]:
-    """apply_command, where a failure ends only the request it concerns: the step loop goes on."""
+def apply_contained(engine: LLMEngine, command: Add | Abort | Deny | Call) -> list[TokenEvent]:
+    """apply_command, where a failure ends only the request it concerns: the step loop goes on (a
+    Call's failure is its caller's, through its future)."""
     try:
         return apply_command(engine, command)
     except Exception as e:
-        kind, arg = command
-        request_id = arg.request_id if kind == ADD else arg[0]
-        log.exception("command %r for request %s failed; ending that request", kind, request_id)
+        request_id = command.seq.request_id if isinstance(command, Add) else command.request_id
+        log.exception("%s for request %s failed; ending that request", type(command).__name__, request_id)
         with contextlib.suppress(Exception):
             engine.abort(request_id)
         error = e if isinstance(e, InvalidRequest | QueueFull) else RequestFailed(f"{type(e).__name__}: {e}")
@@ -83,7 +89,7 @@ def run_step_loop(
     emit: Callable[[list[TokenEvent]], None],
     heartbeat_s: float | None = None,
 ) -> None:
-    """Step while there is work, applying every command that arrived in between; return on STOP.
+    """Step while there is work, applying every command that arrived in between; return on Stop.
 
     receive(timeout) gives the next command, or None when none came within timeout seconds (None:
     wait for one). An idle loop with heartbeat_s tells tensor-parallel followers that it lives."""
@@ -95,7 +101,7 @@ def run_step_loop(
             continue
         events: list[TokenEvent] = []
         while command is not None:
-            if command[0] == STOP:
+            if isinstance(command, Stop):
                 return
             events += apply_contained(engine, command)
             command = receive(0.0)
@@ -166,7 +172,7 @@ class StreamFront(ABC):
         seq = new_sequence(prompt_ids, params, request_id, graph_denial, adapter, output_ids)
         stream = _Stream()
         self._streams[seq.request_id] = stream
-        self._send((ADD, seq))
+        self._send(Add(seq))
         return self._stream(seq, stream, coalescing, detok, len(output_ids))
 
     def submit_request(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
@@ -185,11 +191,11 @@ class StreamFront(ABC):
             raise InvalidRequest(f"cannot continue this stream: {e}") from e
 
     def cancel(self, request_id: str, reason: str = "abort") -> None:
-        self._send((ABORT, (request_id, reason)))
+        self._send(Abort(request_id, reason))
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         """Change a running request's graph permission from its next step on (it keeps running)."""
-        self._send((DENY, (request_id, reason)))
+        self._send(Deny(request_id, reason))
 
     async def _stream(
         self, seq: Sequence, stream: _Stream, coalescing: Coalescing, detok: IncrementalDetokenizer, produced: int
@@ -312,7 +318,7 @@ class AsyncEngine(StreamFront):
         return self
 
     def shutdown(self) -> None:
-        self._send((STOP, None))
+        self._send(Stop())
         self._thread.join(timeout=10)
 
     async def status(self) -> EngineStatus:
@@ -321,7 +327,7 @@ class AsyncEngine(StreamFront):
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """fn(engine) run by the step loop between two steps (where the engine may be changed)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send((CALL, (fn, done)))
+        self._send(Call(fn, done))
         return await asyncio.wrap_future(done)
 
     def _send(self, command: Command) -> None:

@@ -28,18 +28,26 @@ from multiprocessing.connection import Connection
 
 from workers.graphs import fault_injection
 from workers.modeling.default_model import DEFAULT_MODEL_ENV
-from workers.serving.async_engine import STOP, Command, EngineDeadError, StreamFront, run_step_loop
+from workers.protocol import (
+    CheckAdapter,
+    ChildMessage,
+    Command,
+    Failed,
+    Gate,
+    Question,
+    Ready,
+    Reply,
+    Status,
+    StepOutputs,
+    Stop,
+    SwapInPlace,
+)
+from workers.serving.async_engine import EngineDeadError, StreamFront, run_step_loop
 from workers.serving.engine import EngineConfig, EngineStatus, LLMEngine
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 
 log = logging.getLogger(__name__)
 
-# Messages from the child: (kind, payload); REPLY answers a question (the commands in QUESTIONS), in order.
-READY, EVENTS, REPLY, FAILED = "ready", "events", "reply", "failed"
-# Questions to the child, answered between two steps: its status; load a checkpoint of the same
-# shapes in place and gate it (payload: the new EngineConfig); gate the model it has.
-STATUS, SWAP_IN_PLACE, GATE, CHECK_ADAPTER = "status", "swap_in_place", "gate", "check_adapter"
-QUESTIONS = (STATUS, SWAP_IN_PLACE, GATE, CHECK_ADAPTER)
 EXIT_WAIT_S = 10.0
 
 # What the child takes from the replica's environment: paths, locale, and the settings of the
@@ -126,12 +134,12 @@ class EngineProcess(StreamFront):
             self.process.kill()
             self.process.wait()
             raise EngineDeadError(f"the engine process was not READY within {start_timeout_s:g} s; killed")
-        kind, payload = self._receive_from_child()
-        if kind != READY:
+        message = self._receive_from_child()
+        if not isinstance(message, Ready):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(EXIT_WAIT_S)
-            raise payload
-        super().__init__(tokenizer, payload)
+            raise message.error
+        super().__init__(tokenizer, message.limits)
         self.on_exit = on_exit
         self._stopping = False
         self._send_lock = threading.Lock()
@@ -150,17 +158,17 @@ class EngineProcess(StreamFront):
     async def status(self, timeout_s: float | None = None) -> EngineStatus:
         """The engine's status, answered by the child between two steps; TimeoutError when it does
         not answer within timeout_s (a wedged child)."""
-        return await self.ask(STATUS, None, timeout_s)
+        return await self.ask(Status(), timeout_s)
 
-    async def ask(self, question: str, payload: object = None, timeout_s: float | None = None):
-        """The child's answer to one of QUESTIONS; an error it answers with is raised here."""
+    async def ask(self, question: Question, timeout_s: float | None = None):
+        """The child's answer, given between two steps; an error it answers with is raised here."""
         reply: concurrent.futures.Future = concurrent.futures.Future()
         with self._send_lock:
             if not self.alive:
                 raise EngineDeadError(f"the engine process has stopped: {self.error!r}")
             self._replies.append(reply)
             try:
-                self._commands.send((question, payload))
+                self._commands.send(question)
             except OSError as e:  # the child is gone; the reader reports it
                 raise EngineDeadError(f"the engine process has stopped: {e!r}") from e
         return await asyncio.wait_for(asyncio.wrap_future(reply), timeout_s)
@@ -174,7 +182,7 @@ class EngineProcess(StreamFront):
 
     def shutdown(self) -> None:
         self._stopping = True
-        self._send((STOP, None))
+        self._send(Stop())
         try:
             self.process.wait(EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -185,13 +193,13 @@ class EngineProcess(StreamFront):
         with self._send_lock, contextlib.suppress(OSError):  # a dead child is reported by the reader
             self._commands.send(command)
 
-    def _receive_from_child(self) -> tuple[str, object]:
+    def _receive_from_child(self) -> ChildMessage:
         try:
             return self._events.recv()
         except EOFError:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(EXIT_WAIT_S)
-            return FAILED, EngineDeadError(f"the engine process exited (exit code {self.process.returncode})")
+            return Failed(EngineDeadError(f"the engine process exited (exit code {self.process.returncode})"))
 
     def _read(self) -> None:
         """Hand the child's messages on until it stops. Whatever ends this thread (the child's exit,
@@ -199,17 +207,18 @@ class EngineProcess(StreamFront):
         every waiting stream and status call gets the error, and on_exit is told."""
         try:
             while True:
-                kind, payload = self._receive_from_child()
-                if kind == EVENTS:
-                    self._emit(payload)
-                elif kind == REPLY:
+                message = self._receive_from_child()
+                if isinstance(message, StepOutputs):
+                    self._emit(message.events)
+                elif isinstance(message, Reply):
                     reply = self._replies.popleft()
                     if reply.set_running_or_notify_cancel():  # False: its caller gave up waiting
-                        if isinstance(payload, BaseException):
-                            reply.set_exception(payload)
+                        if isinstance(message.value, BaseException):
+                            reply.set_exception(message.value)
                         else:
-                            reply.set_result(payload)
+                            reply.set_result(message.value)
                 else:
+                    payload = message.error
                     break
         except BaseException as e:
             log.exception("the engine's event reader failed; killing the engine process")
@@ -240,44 +249,46 @@ def serve_engine(commands: Connection, events: Connection) -> None:
     try:
         engine, tokenizer = LLMEngine.from_config(commands.recv())
     except BaseException as e:
-        events.send((FAILED, _portable(e)))
+        events.send(Failed(_portable(e)))
         return
     fault_injection.arm_from_environment(engine.runner._replays)
 
-    def answer(question: str, payload: object) -> object:
+    def answer(question: Question) -> object:
         nonlocal tokenizer
-        if question == STATUS:
+        if isinstance(question, Status):
             return engine.status()
         try:
-            if question == SWAP_IN_PLACE:
-                tokenizer, report = swap_weights_in_place(engine, payload)
-                return report
-            if question == CHECK_ADAPTER:
-                return engine.check_adapter(*payload)
-            return run_gate(engine, tokenizer, engine.config.gate_prompts_file)
+            match question:
+                case SwapInPlace(config):
+                    tokenizer, report = swap_weights_in_place(engine, config)
+                    return report
+                case CheckAdapter(name, path):
+                    return engine.check_adapter(name, path)
+                case Gate():
+                    return run_gate(engine, tokenizer, engine.config.gate_prompts_file)
         except Exception as e:  # the engine serves on (an in-place swap put the old weights back)
-            log.error("%s failed: %s", question, e)
+            log.error("%s failed: %s", type(question).__name__, e)
             return _portable(e)
 
     def receive(timeout: float | None) -> Command | None:
         try:
             if not commands.poll(timeout):
                 return None
-            command = commands.recv()
+            message = commands.recv()
         except EOFError:  # the parent is gone
-            return STOP, None
-        if command[0] not in QUESTIONS:
-            return command
-        events.send((REPLY, answer(*command)))
+            return Stop()
+        if not isinstance(message, Question):
+            return message
+        events.send(Reply(answer(message)))
         return None
 
-    events.send((READY, engine.scheduler.limits))
+    events.send(Ready(engine.scheduler.limits))
     try:
-        run_step_loop(engine, receive, lambda step_events: events.send((EVENTS, step_events)))
+        run_step_loop(engine, receive, lambda step_events: events.send(StepOutputs(step_events)))
     except BaseException as e:  # report, then end: the parent fails open streams and its health check
         log.exception("engine loop failed")
         with contextlib.suppress(OSError):
-            events.send((FAILED, EngineDeadError(f"engine loop failed: {e!r}")))
+            events.send(Failed(EngineDeadError(f"engine loop failed: {e!r}")))
 
 
 def _portable(error: BaseException) -> BaseException:
