@@ -27,9 +27,10 @@ import os
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -768,6 +769,14 @@ class GraphController:
         log.warning("swap %s: replica %s started during the swap; it swaps in its turn", swap.id, replica_id)
         self._commit_or_apply([entry], f"swap {swap.id}", swap=swap)
 
+    def leave(self, replica_id: str) -> None:
+        """A replica Serve is stopping: out of the statuses now rather than STALE_AFTER_S later (a
+        redeploy's readiness and /admin/model show no ghost), and out of a swap's order at its next
+        check, as one that stopped reporting long ago."""
+        status = self.replicas.get(replica_id)
+        if status is not None:
+            status["reported_at"] = 0.0
+
     def replica_statuses(self) -> dict[str, dict]:
         now = time.time()
         return {rid: s for rid, s in self.replicas.items() if now - s["reported_at"] < STALE_AFTER_S}
@@ -775,6 +784,11 @@ class GraphController:
 
 class ControllerUnavailable(RuntimeError):
     """The controller did not answer a call within controller_timeout_s."""
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+ControllerMethod = Callable[Concatenate[GraphController, P], R | Awaitable[R]]
 
 
 class ControllerClient:
@@ -787,24 +801,33 @@ class ControllerClient:
         self.handle = controller_handle(config)
         self._notify_failing = False
 
-    async def call(self, method: str, *args, timeout_s: float | None = None):
-        """The controller's answer within timeout_s (default: controller_timeout_s)."""
-        timeout_s = timeout_s or self.config.controller_timeout_s
+    async def call(self, method: ControllerMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """The controller's answer to `method` (a GraphController method: its signature types the
+        call), within controller_timeout_s."""
+        return await self.call_within(self.config.controller_timeout_s, method, *args, **kwargs)
+
+    async def call_within(
+        self, timeout_s: float, method: ControllerMethod[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """`call`, bounded by timeout_s."""
         try:
             try:
-                return await asyncio.wait_for(self._call(method, *args), timeout_s)
+                return await asyncio.wait_for(self._call(method.__name__, *args, **kwargs), timeout_s)
             except ray.exceptions.RayActorError:
                 self.handle = controller_handle(self.config)
-                return await asyncio.wait_for(self._call(method, *args), timeout_s)
+                return await asyncio.wait_for(self._call(method.__name__, *args, **kwargs), timeout_s)
         except TimeoutError:
-            raise ControllerUnavailable(f"the controller did not answer {method} within {timeout_s:g} s") from None
+            message = f"the controller did not answer {method.__name__} within {timeout_s:g} s"
+            raise ControllerUnavailable(message) from None
 
-    async def _call(self, method: str, *args):
-        return await getattr(self.handle, method).remote(*args)
+    async def _call(self, name: str, *args, **kwargs):
+        return await getattr(self.handle, name).remote(*args, **kwargs)
 
-    def notify(self, method: str, *args) -> None:
+    def notify(
+        self, method: Callable[Concatenate[GraphController, P], None], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
         """Fire and forget (status reports); a failure is logged once until one succeeds again."""
-        getattr(self.handle, method).remote(*args).future().add_done_callback(self._notified)
+        getattr(self.handle, method.__name__).remote(*args, **kwargs).future().add_done_callback(self._notified)
 
     def _notified(self, future) -> None:
         error = future.exception()

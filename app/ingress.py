@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app import auth
 from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
-from app.controller import ControllerClient, ControllerUnavailable
+from app.controller import ControllerClient, ControllerUnavailable, GraphController
 from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice
 from app.metrics import render
 from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
@@ -202,7 +202,7 @@ class Ingress:
         self.tenants = (
             set(self.config.tenants) | set(self.keys.values()) | ({auth.OPEN_TENANT} if not self.keys else set())
         )
-        self.readiness = ReadinessView(lambda: self.controller.call("replica_statuses"))
+        self.readiness = ReadinessView(lambda: self.controller.call(GraphController.replica_statuses))
         if self.model_name in self.config.lora_modules:
             raise ValueError(f"lora_modules: adapter {self.model_name!r} has the served model's name")
         self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
@@ -217,7 +217,7 @@ class Ingress:
         now = asyncio.get_running_loop().time()
         if now - self._registered_at > self.config.toggle_poll_s:
             try:
-                self._registered = await self.controller.call("get_lora_adapters")
+                self._registered = await self.controller.call(GraphController.get_lora_adapters)
                 self._registered_at = now
             except ControllerUnavailable:
                 log.warning("the controller did not answer; serving the adapters it last listed")
@@ -247,7 +247,7 @@ class Ingress:
         """What the READY replicas serve (it follows a model swap): checkpoint, revision(s) and
         max_model_len; nothing when the controller does not answer (the card alone is still right)."""
         try:
-            statuses = await self.controller.call("replica_statuses")
+            statuses = await self.controller.call(GraphController.replica_statuses)
         except ControllerUnavailable:
             return {}
         ready = [s for _, s in sorted(statuses.items()) if s.get("state") == "READY"]
@@ -496,7 +496,7 @@ class Ingress:
     @api.get("/admin/tenants/{tenant}/cuda-graph")
     async def get_toggle(self, tenant: str, request: Request) -> Response:
         denied = self._admin_denied(request) or self._unknown_tenant(tenant)
-        return denied or JSONResponse(await self.controller.call("tenant", tenant))
+        return denied or JSONResponse(await self.controller.call(GraphController.tenant, tenant))
 
     @api.put("/admin/tenants/{tenant}/cuda-graph")
     async def put_toggle(self, tenant: str, request: Request) -> Response:
@@ -512,7 +512,9 @@ class Ingress:
             return JSONResponse({"detail": _validation_message(e)[0]}, status_code=400)
         # The audit names the operator whose token this is; no header the caller chooses is trusted.
         client = request.client.host if request.client else "unknown"
-        result = await self.controller.call("set_toggle", tenant, toggle.cuda_graph, request.state.operator, client)
+        result = await self.controller.call(
+            GraphController.set_toggle, tenant, toggle.cuda_graph, request.state.operator, client
+        )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=409)
         return JSONResponse(result)
@@ -523,7 +525,7 @@ class Ingress:
         if denied:
             return denied
         statuses, (_, toggles) = await asyncio.gather(
-            self.controller.call("replica_statuses"), self.controller.call("get_toggles")
+            self.controller.call(GraphController.replica_statuses), self.controller.call(GraphController.get_toggles)
         )
         return JSONResponse(finite({"model": self.model_name, "tenants": toggles, "replicas": statuses}))
 
@@ -536,14 +538,16 @@ class Ingress:
         body = await _json_body(request)
         if isinstance(body, JSONResponse):
             return JSONResponse({"detail": "request body must be a JSON object (a rollout plan)"}, status_code=400)
-        return _rollout_response(await self.controller.call("start_rollout", body, request.state.operator), 201)
+        return _rollout_response(
+            await self.controller.call(GraphController.start_rollout, body, request.state.operator), 201
+        )
 
     @api.get("/admin/rollouts/current")
     async def current_rollout(self, request: Request) -> Response:
         denied = self._admin_denied(request)
         if denied:
             return denied
-        rollout = await self.controller.call("current_rollout")
+        rollout = await self.controller.call(GraphController.current_rollout)
         if rollout is None:
             return JSONResponse({"detail": "no rollout has been started"}, status_code=404)
         return JSONResponse(finite(rollout))
@@ -557,7 +561,9 @@ class Ingress:
             return JSONResponse(
                 {"detail": f"unknown rollout action {action!r}; known: {', '.join(ROLLOUT_ACTIONS)}"}, status_code=404
             )
-        return _rollout_response(await self.controller.call("rollout_action", action, request.state.operator), 200)
+        return _rollout_response(
+            await self.controller.call(GraphController.rollout_action, action, request.state.operator), 200
+        )
 
     @api.post("/admin/model")
     async def start_swap(self, request: Request) -> Response:
@@ -571,7 +577,7 @@ class Ingress:
                 {"detail": 'request body must be a JSON object: {"model": "<checkpoint dir>"}'}, status_code=400
             )
         previous = {"model": self.config.model, "revision": self.config.model_revision}
-        result = await self.controller.call("start_swap", "model", body, previous, request.state.operator)
+        result = await self.controller.call(GraphController.start_swap, "model", body, previous, request.state.operator)
         return _swap_response(result)
 
     @api.put("/admin/graph-policy")
@@ -585,7 +591,7 @@ class Ingress:
             return policy
         previous = {"graph_policy": self.config.graph_policy().model_dump(mode="json")}
         result = await self.controller.call(
-            "start_swap", "graph_policy", policy.model_dump(mode="json"), previous, request.state.operator
+            GraphController.start_swap, "graph_policy", policy.model_dump(mode="json"), previous, request.state.operator
         )
         return _swap_response(result)
 
@@ -596,7 +602,7 @@ class Ingress:
         if denied:
             return denied
         swap, statuses = await asyncio.gather(
-            self.controller.call("current_swap"), self.controller.call("replica_statuses")
+            self.controller.call(GraphController.current_swap), self.controller.call(GraphController.replica_statuses)
         )
         fields = ("state", "model", "model_revision", "model_fallback", "max_model_len", "swap")
         replicas = {rid: {f: st.get(f) for f in fields} for rid, st in statuses.items()}
@@ -618,7 +624,9 @@ class Ingress:
                 {"detail": f"max_buckets must be an integer from 1 to {MAX_RECOMMENDED_BUCKETS}, got {raw[:40]!r}"},
                 status_code=400,
             )
-        result = await self.controller.call("bucket_recommendation", int(raw) if raw is not None else None)
+        result = await self.controller.call(
+            GraphController.bucket_recommendation, int(raw) if raw is not None else None
+        )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])
         return JSONResponse(finite(result))
@@ -632,7 +640,7 @@ class Ingress:
         if self.config.lora is None:
             return JSONResponse({"lora": None, "adapters": []})
         paths = await self._adapters()
-        statuses = await self.controller.call("replica_statuses")
+        statuses = await self.controller.call(GraphController.replica_statuses)
         held: dict[str, dict] = {}
         for rid, status in sorted(statuses.items()):
             for name, slot in ((status.get("lora") or {}).get("adapters") or {}).items():
@@ -678,7 +686,9 @@ class Ingress:
             return JSONResponse({"detail": "no replica checked the adapter in time; retry"}, status_code=503)
         if "error" in check:
             return JSONResponse({"detail": check["error"]}, status_code=check["status"])
-        result = await self.controller.call("add_lora_adapter", adapter.name, adapter.path, request.state.operator)
+        result = await self.controller.call(
+            GraphController.add_lora_adapter, adapter.name, adapter.path, request.state.operator
+        )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=409)
         self._registered_at = -math.inf  # the next request reads the registry again
@@ -695,7 +705,7 @@ class Ingress:
                 {"detail": f"adapter {name!r} is defined in the config's lora_modules; remove it there"},
                 status_code=409,
             )
-        result = await self.controller.call("remove_lora_adapter", name, request.state.operator)
+        result = await self.controller.call(GraphController.remove_lora_adapter, name, request.state.operator)
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])
         self._registered_at = -math.inf
@@ -704,7 +714,7 @@ class Ingress:
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:
         denied = self._admin_denied(request)
-        return denied or JSONResponse({"audit": await self.controller.call("audit_log")})
+        return denied or JSONResponse({"audit": await self.controller.call(GraphController.audit_log)})
 
     # -- health, readiness, metrics ----------------------------------------------------------------
 
@@ -721,7 +731,8 @@ class Ingress:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         statuses, rollout = await asyncio.gather(
-            self.controller.call("replica_statuses"), self.controller.call("current_rollout")
+            self.controller.call(GraphController.replica_statuses),
+            self.controller.call(GraphController.current_rollout),
         )
         body = render(statuses, rollout)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

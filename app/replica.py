@@ -24,7 +24,7 @@ from jinja2 import TemplateError
 from ray import serve
 
 from app.config import AppConfig
-from app.controller import ControllerClient
+from app.controller import ControllerClient, GraphController
 from app.failover import continuation
 from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
@@ -150,7 +150,7 @@ class LLMReplica:
         self.engine_status = await self.engine.status()
         await self._sync_toggles_logged()
         self._background.append(asyncio.create_task(self._poll_toggles()))
-        self.controller.notify("report", self.replica_id, self.status())
+        self.controller.notify(GraphController.report, self.replica_id, self.status())
         log.info("replica %s: %s, serving %s", self.replica_id, self.engine_status.state, self.config.model)
 
     def status(self) -> dict:
@@ -171,12 +171,12 @@ class LLMReplica:
         actor takes seconds to start); one that still does not answer loads the configured model
         and says so in `model_fallback`."""
         try:
-            return await self.controller.call(
-                "adopt",
+            return await self.controller.call_within(
+                START_CONTROLLER_WAITS * self.config.controller_timeout_s,
+                GraphController.adopt,
                 self.configured.made_for(),
                 f"replica {self.replica_id}",
                 self.replica_id,
-                timeout_s=START_CONTROLLER_WAITS * self.config.controller_timeout_s,
             )
         except Exception as e:
             log.warning(
@@ -223,7 +223,7 @@ class LLMReplica:
     async def _sync_toggles(self) -> None:
         """Toggles and the rollout's cohort rule; running requests whose permission changed get it
         in their next step."""
-        version, permissions = await self.controller.call("get_permissions", self.toggle_version)
+        version, permissions = await self.controller.call(GraphController.get_permissions, self.toggle_version)
         if permissions is None:
             return
         self.toggle_version = version
@@ -289,7 +289,7 @@ class LLMReplica:
         rollout splits traffic (a status costs the engine well under a millisecond between steps)."""
         while True:
             await self._refresh_status()
-            self.controller.notify("report", self.replica_id, self.status())
+            self.controller.notify(GraphController.report, self.replica_id, self.status())
             splitting = self.cohort_rule is not None and 0 < self.cohort_rule.percent < 100
             await asyncio.sleep(ROLLOUT_STATUS_EVERY_S if splitting else STATUS_EVERY_S)
 
@@ -322,7 +322,7 @@ class LLMReplica:
 
     def _set_swap_step(self, swap_id: str, step: str, detail: str | None = None, path: str | None = None) -> None:
         self.swap_progress = {"id": swap_id, "step": step, "detail": detail, "path": path, "at": time.time()}
-        self.controller.notify("report", self.replica_id, self.status())
+        self.controller.notify(GraphController.report, self.replica_id, self.status())
 
     async def _drain(self, timeout_s: float) -> None:
         """Let running requests finish on the old model (their steps run eager, labelled
@@ -346,6 +346,11 @@ class LLMReplica:
 
     async def check_health(self) -> None:
         await self.engine.check()
+
+    async def __del__(self) -> None:
+        """Serve stops this replica: the controller hears it at once (once it had one to tell)."""
+        if "controller" in self.__dict__:
+            self.controller.notify(GraphController.leave, self.replica_id)
 
     async def check_adapter(self, name: str, path: str) -> dict:
         """Load and verify an adapter before an operator registers it: {"replica_id", "slot",

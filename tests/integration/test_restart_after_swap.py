@@ -45,6 +45,8 @@ def get(server, route: str, admin: bool = True) -> dict:
 
 
 def the_replica(server) -> dict:
+    """The one replica /admin/model lists (the replaced one leaves it as Serve stops it)."""
+    wait_for(lambda: len(get(server, "/admin/model")["replicas"]) == 1, 15, what="one replica in /admin/model")
     (replica,) = get(server, "/admin/model")["replicas"].values()
     return replica
 

@@ -4,10 +4,12 @@ applied, so a failed write changes nothing and a retried call audits nothing twi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -230,3 +232,43 @@ def test_lora_adapters_are_persisted_audited_and_a_failed_write_registers_nothin
     assert c.remove_lora_adapter("sql", "carol") == {"name": "sql", "removed": True}
     assert c.remove_lora_adapter("sql", "carol")["status"] == 404
     assert GraphController(str(path), INITIAL).get_lora_adapters() == {}
+
+
+class FakeActorHandle:
+    """A Ray actor handle's shape: handle.<method>.remote(*args) gives an awaitable."""
+
+    def __init__(self, answers: dict, hang: frozenset = frozenset()) -> None:
+        self.answers, self.hang, self.calls = answers, hang, []
+
+    def __getattr__(self, name: str):
+        async def answer(*args):
+            self.calls.append((name, args))
+            if name in self.hang:
+                await asyncio.Event().wait()
+            return self.answers[name]
+
+        return SimpleNamespace(remote=answer)
+
+
+async def test_the_client_calls_the_controller_method_it_is_given(monkeypatch):
+    """Calls name a GraphController method, not a string: the actor gets that method's name and
+    arguments; one that does not answer in time is ControllerUnavailable naming it."""
+    handle = FakeActorHandle({"tenant": {"tenant": "a"}, "replica_statuses": {}}, hang=frozenset({"audit_log"}))
+    monkeypatch.setattr(controller_module, "controller_handle", lambda config: handle)
+    client = controller_module.ControllerClient(SimpleNamespace(controller_timeout_s=0.05))
+    assert await client.call(GraphController.tenant, "a") == {"tenant": "a"}
+    assert await client.call_within(1.0, GraphController.replica_statuses) == {}
+    assert handle.calls == [("tenant", ("a",)), ("replica_statuses", ())]
+    with pytest.raises(controller_module.ControllerUnavailable, match="audit_log"):
+        await client.call(GraphController.audit_log, 10)
+
+
+def test_a_replica_that_leaves_is_out_of_the_statuses_at_once(tmp_path):
+    c = GraphController(str(tmp_path / "state.json"), {})
+    c.report("r1", {"state": "READY"})
+    c.report("r2", {"state": "READY"})
+    c.leave("r1")
+    c.leave("never-reported")
+    assert set(c.replica_statuses()) == {"r2"}
+    c.report("r1", {"state": "READY"})  # a replica that reports again is back
+    assert set(c.replica_statuses()) == {"r1", "r2"}
