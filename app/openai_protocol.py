@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 from workers.protocol import ChoiceChunk, LogprobItem
 from workers.serving.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
-STOP_MAX_CHARS = 512  # the longest stop string accepted (characters); the README's API section says so
+STOP_MAX_CHARS = 512  # the longest stop string accepted (characters); docs/api.md says so
 MAX_N = 16  # choices per request at most
 STRICT = ConfigDict(extra="forbid", strict=True)  # strict: no lax coercion ("1.5" -> 1.5, true -> 1)
 

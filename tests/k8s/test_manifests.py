@@ -178,7 +178,7 @@ def test_no_secret_material_is_tracked():
         for doc in m.load_docs(path):
             assert not (isinstance(doc, dict) and doc.get("kind") == "Secret"), f"{path} commits a Secret"
     ignored = subprocess.run(["git", "check-ignore", "-q", "k8s/graphserve-secrets.env"], cwd=m.REPO)
-    assert ignored.returncode == 0, "k8s/*.env (where the README puts the secret env file) is not git-ignored"
+    assert ignored.returncode == 0, "k8s/*.env (where docs/kubernetes.md puts the secret env file) is not git-ignored"
 
 
 def test_gpu_workers_mount_the_compile_cache_where_the_config_points(rendered):

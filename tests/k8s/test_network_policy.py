@@ -13,7 +13,7 @@ import pytest
 
 from . import manifests as m
 
-NAMESPACE = "graphserve"  # what the README applies the manifests to
+NAMESPACE = "graphserve"  # what docs/kubernetes.md applies the manifests to
 # Ray's ports between its Pods: GCS, dashboard, client, dashboard agent, metrics, and ports Ray picks
 # at random (raylet, object manager, runtime-env agent, one per worker process in 10002-19999).
 RAY_PORTS = (6379, 8265, 10001, 52365, 8080, 43017, 10002, 19999)

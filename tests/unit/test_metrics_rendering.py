@@ -1,4 +1,4 @@
-"""/metrics for the rollout and shadow verification: the series the README names, from the payloads
+"""/metrics for the rollout and shadow verification: the series docs/metrics.md names, from the payloads
 replicas and the controller really produce."""
 
 from __future__ import annotations
