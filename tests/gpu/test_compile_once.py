@@ -87,8 +87,8 @@ def test_the_step_compiles_twice_whatever_the_ladder(buckets, tmp_path):
     )
     assert all(r.verify_max_abs_diff == 0.0 for r in runner.records.values())
     check_fresh_inputs(engine, runner)
-    (directory,) = tmp_path.iterdir()
-    assert (directory / KEY_FILE).exists() and (directory / "triton").is_dir()
+    (directory,) = tmp_path.iterdir()  # the keyed subdirectory, where inductor wrote what it compiled
+    assert (directory / KEY_FILE).exists() and len(list(directory.iterdir())) > 1
 
 
 def test_compiled_tokens_at_odd_batch_sizes_equal_uncompiled_eager():
