@@ -120,8 +120,10 @@ def startup_rows(config: str) -> list[dict]:
             child("--child-write", config, str(model_dir))
         rows = []
         for start in ("cold", "warm"):
-            rows.append(child("--child-start", config, str(model_dir), str(cache_dir), start))
-            print(json.dumps(rows[-1]), flush=True)
+            row = child("--child-start", config, str(model_dir), str(cache_dir), start)
+            row["cache_mb"] = sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file()) / 2**20
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         return rows
 
 
@@ -220,8 +222,8 @@ def markdown(result: dict) -> str:
         "process). Command: `python bench/startup.py startup --configs 1b` (then 8b), `... tpot --configs 1b 8b`.",
         "",
         "| config | start | buckets (compiled) | graphs | ready_s (target) | replica_s | engine_s | "
-        "load | allocate | compile | capture | verify | warmup |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "load | allocate | compile | capture | verify | warmup | cache MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result.get("startup", []):
         p = r["phases"]
@@ -231,7 +233,7 @@ def markdown(result: dict) -> str:
             f"| {r['config']} | {r['start']} | {r['buckets']} ({r['compiled_buckets']}) | {r['compiled_graphs']} | "
             f"{ready} | {r['replica_s']:.1f} | {r['engine_s']:.1f} | "
             + " | ".join(f"{p[k]:.1f}" for k in ("load", "allocate", "compile", "capture", "verify", "warmup"))
-            + " |"
+            + f" | {r['cache_mb']:.0f} |"
         )
     lines += [
         "",
