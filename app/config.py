@@ -155,10 +155,11 @@ class AppConfig(BaseModel):
     )
     compile_cache_dir: str | None = Field(
         None,
-        description="inductor's on-disk cache of the compiled decode steps (`compile` is on by default with full "
-        "graphs); a start that finds its shapes there compiles ~5x faster. null: inductor's default under `/tmp` "
+        description="the on-disk cache of the compiled decode step (inductor's and Triton's; `compile` is on by "
+        "default with full graphs), one subdirectory per key of what decides the step (model, engine settings, "
+        "versions); a start that finds its key there compiles ~5x faster. null: inductor's default under `/tmp` "
         "(survives an engine restart in place, not a new Pod; the GPU overlay mounts the `graphserve-compile-cache` "
-        "volume here)",
+        "volume here, shared by the replicas)",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs per replica; > 1 runs one shard actor per GPU in the replica's placement group"

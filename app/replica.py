@@ -115,6 +115,8 @@ def tokenize(tokenizer, request: GenerateRequest) -> list[int]:
 
 class LLMReplica:
     async def __init__(self, args: dict) -> None:
+        started = time.monotonic()
+        self.start_s: float | None = None  # from here to the engine's first READY, engine process start included
         context = serve.get_replica_context()
         self.config = AppConfig.from_args(args).for_app(context.app_name)
         self.configured = self.config  # what the deployment was configured with, before any swap target
@@ -148,6 +150,7 @@ class LLMReplica:
         self.engine = await self._start_engine(await self._serving_model())
         self.tokenizer = self.engine.tokenizer
         self.engine_status = await self.engine.status()
+        self.start_s = time.monotonic() - started
         await self._sync_toggles_logged()
         self._background.append(asyncio.create_task(self._poll_toggles()))
         self.controller.notify(GraphController.report, self.replica_id, self.status())
@@ -157,6 +160,7 @@ class LLMReplica:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
         if self.engine_status is not None:
             status.update(self.engine_status.as_dict(), engine_restarts=self.engine.restarts)
+            status["startup"] = {**status.get("startup", {}), "replica_s": self.start_s}
         if self.draining:
             status["state"] = EngineState.REBUILDING.value
         status["swap"] = self.swap_progress

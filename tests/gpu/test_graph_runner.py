@@ -390,17 +390,3 @@ def test_compile_is_the_default_with_full_graphs(eager_engine):
     reqs = requests(2, seed=23, sampled=False, max_tokens=24)
     assert run(engine, reqs).outputs == run(eager_engine, reqs).outputs
     assert not GraphPolicy(mode="piecewise").compiles and not GraphPolicy(mode="eager").compiles
-
-
-def test_compile_holds_past_dynamo_recompile_limit():
-    """A compiled engine of 12 buckets: 12 shapes of one function, past dynamo's default limit of 8
-    after which it used to run the step uncompiled without a word. Every shape must be compiled (a
-    graph each) and every bucket still verify bit for bit."""
-    from torch._dynamo.utils import counters
-
-    buckets = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
-    before = counters["stats"]["unique_graphs"]
-    engine = make_engine(buckets=buckets, compile=True, max_num_seqs=16, max_cached_graphs=len(buckets))
-    assert counters["stats"]["unique_graphs"] - before >= len(buckets)
-    assert engine.runner.table.ready == set(buckets)
-    assert all(r.verify_max_abs_diff == 0.0 for r in engine.runner.records.values())

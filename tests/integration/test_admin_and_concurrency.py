@@ -129,6 +129,16 @@ def test_admin_requires_the_token(server, method, path, body):
     assert get_toggle(server, "tenant-a") is True
 
 
+def test_status_reports_each_replicas_startup_phases(server):
+    """/admin/status says per replica where its start went: each phase non-negative, all of them
+    within the engine's start, which is within the replica's own (the engine process's start too)."""
+    startup = server.replica_status()["startup"]
+    phases = startup["phases"]
+    assert set(phases) == {"load", "allocate", "compile", "capture", "verify", "warmup"}
+    assert all(s >= 0 for s in phases.values()) and phases["load"] > 0, phases
+    assert sum(phases.values()) <= startup["total_s"] <= startup["replica_s"], startup
+
+
 def test_unknown_tenant_is_404(server):
     """Toggles exist only for configured tenants or tenants with API keys."""
     for method, body in (("GET", None), ("PUT", {"cuda_graph": False})):

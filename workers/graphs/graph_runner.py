@@ -6,8 +6,9 @@ block-table row is all scratch page, its length 1) and at the null adapter. A ru
 `lora=True` captures the step with the LoRA deltas (`lora.py`); one without, the plain step, which
 costs nothing extra for batches that use no adapter. The block table itself is a static input too:
 it changes in place, by the step's edits, before the copy. Capture happens before the engine is
-READY: eager warmup on a side stream, then buckets largest first into one shared memory pool with
-the garbage collector quiet. A bucket that fails to capture, does not fit the memory budget, or
+READY: warm-up on a side stream (which compiles the step, once for every bucket, when the policy
+compiles: `compiled_step.py`), then buckets largest first into one shared memory pool with the
+garbage collector quiet. A bucket that fails to capture, does not fit the memory budget, or
 replays differently from eager in the consistency check is recorded in the BucketTable with its
 reason and runs eager. Nothing is ever captured on the request path. With tensor parallelism the
 ranks agree on the captured buckets before verifying them (each verification replays all-reduces,
@@ -32,6 +33,7 @@ import torch
 
 from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason, bucket_id
 from policies.graph_policy import GraphPolicy
+from workers.graphs.compiled_step import CompiledStep, graphs_compiled, no_recompile
 from workers.graphs.shadow_verify import ShadowVerifier
 from workers.kv.attention import GraphSupport
 from workers.kv.kv_cache import KVCache, pages_needed
@@ -72,11 +74,11 @@ def initial_table(
 
 
 def allow_compiled_shapes(shapes: int) -> None:
-    """Room for `shapes` more compiled shapes of the decode step in this process. Dynamo keeps at most
+    """Room for `shapes` more compiled graphs of the decode step in this process. Dynamo keeps at most
     `recompile_limit` compiled versions of one function (8 by default, shared by every runner in the
-    process) and past it runs the function uncompiled without saying so: a bucket ladder of more than
-    8 would silently lose its compilation. Raised by each runner's own buckets, and past it dynamo
-    raises instead, so a bucket either runs compiled or startup fails."""
+    process) and past it runs the function uncompiled without saying so. A runner needs 1-3 graphs
+    (`compiled_step.py`) and never more than one per bucket, so it raises the limit by its number of
+    buckets, and past it dynamo raises instead: a bucket either runs compiled or startup fails."""
     torch._dynamo.config.recompile_limit += shapes
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
@@ -101,18 +103,24 @@ class GraphRunner:
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._pool = None  # the memory pool of the capture in progress (see `_capture_bucket`)
         self.compile_s = 0.0
+        self.phase_s: dict[str, float] = {}  # start-up seconds by phase: compile (or warmup), capture, verify
+        self.graphs = 0  # graphs dynamo compiled for this runner's warm-up
         self.step_fn = model.decode
         self.compiled = False
         self.shadow = ShadowVerifier(policy.shadow_verify_every_n_steps)
         if policy.compiles and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
-            # Inductor's own cudagraphs stay off: this runner does the capturing.
-            allow_compiled_shapes(len(buckets))
-            self.step_fn = torch.compile(model.decode, dynamic=False, options={"triton.cudagraphs": False})
-            self.compiled = True
+            self.use_compiled_step()
         max_rows = max(buckets)
         self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=self.device)
         self._host = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def use_compiled_step(self) -> None:
+        """Capture (and run eagerly at captured buckets) the decode step compiled once for every
+        bucket (`compiled_step.py`); warm-up compiles it."""
+        allow_compiled_shapes(len(self.table.buckets))
+        self.step_fn = CompiledStep(self.model.decode)
+        self.compiled = True
 
     @property
     def enabled(self) -> bool:
@@ -276,23 +284,32 @@ class GraphRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run every bucket eagerly (on a side stream on CUDA) so lazy initialisation, autotuning and
-        inductor compilation happen before capture."""
+        """Run every bucket's step twice (on a side stream on CUDA) so lazy initialisation,
+        autotuning and compilation happen before capture. The first round, largest bucket first,
+        compiles (one graph for every size, see `compiled_step.py`); in the second nothing may
+        compile, so a bucket left without a compiled graph fails start-up here."""
         stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         if stream:
             # The cache's pool and block table were just filled on the current stream; the side
             # stream must not read them before (a block table not yet zeroed sends writes anywhere).
             stream.wait_stream(torch.cuda.current_stream())
+        buckets = sorted(self.table.buckets if self.enabled else (1,), reverse=True)
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            for bucket in sorted(self.table.buckets if self.enabled else (1,), reverse=True):
-                for _ in range(2):
+            t0, graphs = time.perf_counter(), graphs_compiled()
+            for bucket in buckets:
+                self._load(self._scratch_batch(bucket), bucket)
+                self._step(bucket)
+            with no_recompile():
+                for bucket in buckets:
                     self._load(self._scratch_batch(bucket), bucket)
                     self._step(bucket)
             if stream:
                 torch.cuda.synchronize()
-            if self.compiled:
-                self.compile_s = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if self.compiled:
+            self.compile_s, self.graphs = seconds, graphs_compiled() - graphs
+            log.info("compiled the decode step for %d buckets: %d graphs, %.1f s", len(buckets), self.graphs, seconds)
+        self.phase_s["compile" if self.compiled else "warmup"] = seconds
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -514,15 +531,27 @@ class GraphRunner:
     def prepare(self, on_state: Callable[[EngineState], None] = lambda state: None) -> None:
         """Warm up, capture, (with TP) agree, verify and agree again, in the same order on every rank:
         agreeing first makes every rank verify the same buckets, so verification's all-reduces pair
-        up; agreeing after withdraws everywhere a bucket that failed verification on one rank."""
+        up; agreeing after withdraws everywhere a bucket that failed verification on one rank.
+        Nothing compiles after warm-up: capture and verification run what it compiled. Each phase's
+        seconds are kept in `phase_s`."""
         self.warmup()
         on_state(EngineState.EAGER_WARMED)
         if self.enabled:
-            self.capture()
+            with self._timed("capture"), no_recompile():
+                self.capture()
             on_state(EngineState.GRAPH_CAPTURED)
-            self.agree()
-            self.verify()
-            self.agree()
+            with self._timed("verify"), no_recompile():
+                self.agree()
+                self.verify()
+                self.agree()
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - t0
 
     def graph_memory_mb(self) -> float:
         return sum(self.records[b].memory_mb for b in self.table.ready)

@@ -5,7 +5,7 @@ from a process of its own (`engine_process.py`)."""
 from __future__ import annotations
 
 import dataclasses
-import os
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -17,6 +17,7 @@ from policies.dispatch import EngineState, FallbackReason, split_by_permission
 from policies.graph_policy import GraphPolicy
 from policies.kv_blocks import BlockManager
 from policies.lora_slots import AdapterKey, AdapterSlots
+from workers.graphs.compile_cache import key_inputs, use_compile_cache
 from workers.graphs.graph_runner import GraphRunner, StepRunners
 from workers.kv.attention import make_backend
 from workers.kv.kv_cache import KVCache
@@ -29,11 +30,13 @@ from workers.modeling.model import LlamaModel
 from workers.serving.batch_sampler import BatchSampler
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, sample
 from workers.serving.scheduler import Scheduler, Sequence, new_sequence
+from workers.serving.startup import StartupClock
 from workers.serving.stats import CallTimer, EngineStats
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
 from workers.tensor_parallel.parallel import TPGroup
 from workers.tensor_parallel.tp import AGREE, DECODE, EAGER, LORA_LOAD, NOOP, PREFILL, STOP, StepChannel, agree
 
+log = logging.getLogger(__name__)
 MB = 1 << 20
 
 
@@ -52,7 +55,7 @@ class EngineConfig:
     kv_page_size: int = 16  # token positions per KV page
     kv_cache_tokens: int | None = None  # the KV pool's size in tokens; None = from free memory
     kv_cache_memory_fraction: float = 0.9  # of the device memory free after weights (`kv_sizing.py`)
-    compile_cache_dir: str | None = None  # inductor's on-disk cache; None: its default under /tmp
+    compile_cache_dir: str | None = None  # compile caches, a subdirectory per key (`compile_cache.py`); None: /tmp
     graph_policy: GraphPolicy = GraphPolicy()
     lora: LoraLimits | None = None  # adapter slots; None: LoRA off, and it costs nothing
 
@@ -78,10 +81,11 @@ class EngineStatus:
     kv_cache: dict[str, int]  # page_size, pages, pages_free, max_num_seqs, preemptions
     lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
+    startup: dict | None = None  # total_s, phases (seconds each, `startup.py`), compiled_graphs
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for optional in ("shards", "lora"):
+        for optional in ("shards", "lora", "startup"):
             if out[optional] is None:
                 del out[optional]
         return out
@@ -114,8 +118,8 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     model.attention_backend = make_backend(config.attention_backend, device)
     if config.lora is not None:
         model.enable_lora(config.lora.max_loras, config.lora.max_lora_rank, config.lora.target_modules)
-    if config.compile_cache_dir:  # read by inductor at each use: a start that finds it compiles ~5x faster
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.compile_cache_dir
+    if config.compile_cache_dir:  # before anything compiles: a start that finds its key there compiles ~5x faster
+        use_compile_cache(config.compile_cache_dir, key_inputs(model, config))
     max_num_seqs = config.batch_limit(device)
     policy = config.graph_policy
     graph_reserve = int(policy.graph_memory_budget_mb * MB) if policy.mode != "eager" else 0
@@ -165,7 +169,8 @@ def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
 class LLMEngine:
     """Construction takes the engine through MODEL_LOADED -> EAGER_WARMED -> GRAPH_CAPTURED -> READY:
     by the time it returns, every graph the policy allows is captured and verified. With tensor
-    parallelism this is rank 0: `channel` hands each model call's inputs to the other ranks."""
+    parallelism this is rank 0: `channel` hands each model call's inputs to the other ranks.
+    `load_s`: how long reading the model took, the first phase of the start (`startup.py`)."""
 
     def __init__(
         self,
@@ -174,7 +179,9 @@ class LLMEngine:
         eos_token_ids: tuple[int, ...] = (),
         revision: str = "random",
         channel: StepChannel | None = None,
+        load_s: float = 0.0,
     ) -> None:
+        clock = StartupClock(load_s)
         self.model = model
         self.config = config
         self.revision = revision
@@ -182,7 +189,8 @@ class LLMEngine:
         self.device = model.embed.weight.device
         self.max_model_len = model.max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.cache = prepare_model(model, config)
+        with clock.phase("allocate"):
+            self.cache = prepare_model(model, config)
         self.scheduler = Scheduler(
             self.cache.num_slots,
             self.max_model_len,
@@ -200,11 +208,23 @@ class LLMEngine:
         self.channel = channel
         try:
             self.runners.prepare(on_state=self._set_state)
-            self._warm_first_token_path()
+            for runner in self.runners.all:
+                clock.add(runner.phase_s)
+            with clock.phase("warmup"):
+                self._warm_first_token_path()
         except Exception:
             self.state = EngineState.FAILED
             raise
+        clock.stop()
+        self.startup = clock.report() | {"compiled_graphs": sum(r.graphs for r in self.runners.all)}
         self.state = EngineState.READY
+        buckets = sum(len(r.table.ready) for r in self.runners.all)
+        log.info(
+            "engine READY in %s; %d buckets captured, %d compiled graphs",
+            clock.summary(),
+            buckets,
+            self.startup["compiled_graphs"],
+        )
 
     @torch.inference_mode()
     def _warm_first_token_path(self) -> None:
@@ -231,8 +251,9 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
         """Load the checkpoint named by the config (or the default); returns (engine, tokenizer)."""
+        t0 = time.perf_counter()
         model, tokenizer, eos, revision = load_for_engine(config, resolve_device(config.device))
-        return cls(model, config, eos, revision), tokenizer
+        return cls(model, config, eos, revision, load_s=time.perf_counter() - t0), tokenizer
 
     def status(self) -> EngineStatus:
         """What operators see per replica: state, revision, backend, buckets, counters."""
@@ -258,6 +279,7 @@ class LLMEngine:
                 "preemptions": self.scheduler.num_preempted,
             },
             lora=self._lora_status(),
+            startup=self.startup,
         )
 
     def _lora_status(self) -> dict | None:

@@ -52,11 +52,13 @@ class ShardWorker:
             device = torch.device("cuda", 0)  # Ray gives each shard actor its own GPU as device 0
         self.rank = rank
         self.tp = init_tp_group(rank, world_size, init_method, device, timeout_s)
+        t0 = time.perf_counter()
         model, self.tokenizer, eos, revision = load_for_engine(config, device, self.tp)
+        load_s = time.perf_counter() - t0
         self.channel = StepChannel(self.tp, device)
         self.error: BaseException | None = None
         if rank == 0:
-            engine = LLMEngine(model, config, eos, revision, channel=self.channel)
+            engine = LLMEngine(model, config, eos, revision, channel=self.channel, load_s=load_s)
             self.engine = AsyncEngine(engine, self.tokenizer, heartbeat_s=timeout_s / 4).start()
             self.runners = engine.runners
         else:
