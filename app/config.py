@@ -95,6 +95,14 @@ class AppConfig(BaseModel):
     kv_page_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1)
     kv_cache_memory_fraction: float = Field(0.9, gt=0, le=1)
+    enable_prefix_caching: bool = Field(
+        True,
+        description=(
+            "Reuse the KV pages of a prompt prefix already computed (chat histories, shared system "
+            "prompts): full pages only, keyed by a SHA-256 chain of their tokens and the LoRA adapter "
+            "(name, path, load); idle cached pages are evicted least recently used when the pool needs room."
+        ),
+    )
     # Inductor's on-disk cache for compiled decode steps (compile: on by default with full graphs): a
     # start that finds it compiles ~5x faster. null: inductor's default under /tmp (kept across restarts
     # of the engine in place, not across Pods; the GPU overlay mounts a volume here).

@@ -60,6 +60,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         kv_cache_tokens=config.kv_cache_tokens,
         kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         compile_cache_dir=config.compile_cache_dir,
+        enable_prefix_caching=config.enable_prefix_caching,
         graph_policy=config.graph_policy(),
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank, tuple(config.lora.target_modules))
         if config.lora
@@ -348,7 +349,7 @@ class LLMReplica:
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Items: {"error", "status"} alone, or {"index", "text", "finish_reason", "prompt_tokens",
-        "completion_tokens", "logprobs"} chunks of the request's n choices (the counts are the
+        "cached_tokens", "completion_tokens", "logprobs"} chunks of the request's n choices (the counts are the
         choice's own; logprobs None unless asked for), possibly ended by an {"error", "status"} item
         when the engine failed mid-stream. The first item is sent as soon as it exists. Chunks also
         carry what another replica needs to continue a one-choice request (`app/failover.py`): token
@@ -409,6 +410,7 @@ class LLMReplica:
                         "text": event.text,
                         "finish_reason": event.finish_reason,
                         "prompt_tokens": event.prompt_tokens,
+                        "cached_tokens": event.cached_tokens,
                         "completion_tokens": event.completion_tokens,
                         "logprobs": logprobs,
                         "token_ids": event.token_ids,

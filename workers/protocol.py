@@ -32,6 +32,7 @@ class StreamEvent:
     logprobs: list[TokenLogprob] | None = None
     seed: int | None = None  # the seed its tokens are drawn with (drawn here when the request had none)
     detok: DetokState | None = None  # the detokenizer's state after this event's tokens
+    cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache (usage)
 
 
 @dataclass(frozen=True)

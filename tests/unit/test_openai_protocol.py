@@ -316,7 +316,12 @@ def test_whole_chat_response_with_choices_and_logprobs():
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert [c["message"]["content"] for c in body["choices"]] == ["Hié", "x"]
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     content = body["choices"][0]["logprobs"]["content"]
     e_acute = {"token": "é", "logprob": -2.0, "bytes": [0xC3, 0xA9]}
     a = {"token": "a", "logprob": -0.1, "bytes": [97]}
