@@ -376,3 +376,21 @@ def test_openapi_declares_the_request_bodies():
     assert components["ChatMessage"]["properties"]["role"]["enum"][0] == "system"
     refs = {v for v in json.dumps(schema).split('"') if v.startswith("#/")}
     assert all(ref.split("/")[-1] in components for ref in refs)  # every reference resolves
+
+
+def test_usage_reports_the_fewest_cached_prompt_tokens_of_the_first_items():
+    """cached_tokens per choice is its first item's (a continuation elsewhere prefills again); a
+    request's is the fewest of its choices' (each prefilled the prompt); 0 from items without it."""
+    shape = ResponseShape(False, "m", n=2)
+    first, second = Choice(), Choice()
+    first.add({"text": "a", "finish_reason": None, "completion_tokens": 1, "cached_tokens": 32})
+    first.add({"text": "b", "finish_reason": "length", "completion_tokens": 2, "cached_tokens": 0})
+    second.add({"text": "c", "finish_reason": "length", "completion_tokens": 1, "cached_tokens": 48})
+    usage = shape.whole([first, second], prompt_tokens=50)["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32} and usage["total_tokens"] == 53
+    legacy = Choice()
+    legacy.add({"text": "x", "finish_reason": "stop", "completion_tokens": 1})
+    assert ResponseShape(True, "m").whole([legacy], 3)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    chunk = shape.usage_chunk(50, 3, {0: 48, 1: 16})
+    assert chunk["choices"] == [] and chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert shape.usage_chunk(50, 3)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -1,7 +1,8 @@
-"""Prefix caching's bookkeeping (policies/prefix_hash.py, prefix_cache.py, kv_blocks.py): the hash
-chain, shared full pages with reference counts, eviction of idle cached pages only after the free
-ones and least recently released first, a held page never evicted, the last partial page never
-shared, a fully cached prompt computing its last page again, and preemption releasing references."""
+"""Prefix caching's bookkeeping (policies/prefix_hash.py, prefix_cache.py, kv_blocks.py, and the
+scheduler's admission): the hash chain, shared full pages with reference counts, eviction of idle
+cached pages only after the free ones and least recently released first, a held page never
+evicted, the last partial page never shared, a fully cached prompt computing its last page again,
+preemption releasing references, and cached tokens costing no prefill budget."""
 
 import random
 
@@ -9,6 +10,8 @@ import pytest
 
 from policies.kv_blocks import BlockManager, OutOfPages
 from policies.prefix_hash import adapter_salt, page_hashes
+from workers.serving.sampling import SamplingParams
+from workers.serving.scheduler import Scheduler, Sequence, new_sequence
 
 PS = 4  # tokens per page in these tests
 
@@ -191,3 +194,79 @@ def test_invariants_hold_under_a_random_workload_with_shared_prefixes():
             assert blocks.pages_for(blocks.tokens(s)) == len(table) and blocks.tokens(s) == len(tokens)
             for page, h in zip(table, hashes(tokens)):
                 assert blocks.prefix._hash_of.get(page, h) == h  # a shared page holds these tokens
+
+
+# ---------------------------------------------------------------- the scheduler's part
+
+
+def caching_scheduler(num_pages: int = 32, max_prefill_tokens: int = 1000, max_num_seqs: int = 4) -> Scheduler:
+    blocks = BlockManager(num_pages, PS)
+    max_model_len = min(32, blocks.capacity_tokens)
+    return Scheduler(max_num_seqs, max_model_len, 8, max_prefill_tokens, blocks=blocks, prefix_caching=True)
+
+
+def prompt(request_id: str, tokens: list[int], adapter: tuple[str, str] | None = None) -> Sequence:
+    return new_sequence(tokens, SamplingParams(), request_id, adapter=adapter)
+
+
+def test_an_admitted_prompt_starts_its_prefill_after_its_cached_pages_and_its_table_holds_them():
+    s = caching_scheduler()
+    s.add(a := prompt("a", list(range(10))))
+    s.admit()
+    s.take_edits()
+    s.add(b := prompt("b", list(range(9)) + [50]))
+    s.admit()
+    assert b.prefill_start == b.cached_tokens == 8 and a.prefill_start == a.cached_tokens == 0
+    edits = s.take_edits()
+    assert edits[:6] == [b.slot, 0, 1, b.slot, 1, 2]  # its first two entries: a's pages
+
+
+def test_cached_tokens_count_against_neither_the_prefill_budget_nor_the_pool():
+    s = caching_scheduler(num_pages=9, max_prefill_tokens=20)  # 8 usable pages
+    s.add(prompt("a", list(range(16))))
+    s.admit()  # 4 pages, all cached, held by a
+    s.reserve_decode()  # a's next position takes a fifth page
+    s.add(b := prompt("b", list(range(16)) + [60]))
+    s.add(c := prompt("c", list(range(16)) + [61]))
+    # each needs 5 pages for 18 positions and computes 1 token: 16 are a's, shared
+    assert s.admit() == [b, c]
+    assert b.prefill_start == c.prefill_start == 16 and s.blocks.num_free == 1
+
+
+def test_a_sequence_whose_adapter_is_not_granted_yet_is_looked_up_once_it_is():
+    """An adapter request's salt names the load of its adapter, known when `ready` grants its slot:
+    before that it is admitted as if nothing were cached, then reuses what that load cached."""
+    s = caching_scheduler()
+    tokens = list(range(12))
+    first = prompt("first", tokens, adapter=("x", "/x"))
+    assert first.cache_salt is None
+    s.add(first)
+
+    def grant(seq: Sequence) -> bool:
+        seq.cache_salt = adapter_salt("x", "/x", 1)
+        return True
+
+    s.admit(grant)
+    s.add(second := prompt("second", tokens, adapter=("x", "/x")))
+    s.add(other := prompt("other", tokens))  # the base model: another salt
+    s.admit(lambda seq: grant(seq) if seq.adapter else True)
+    assert (first.cached_tokens, second.cached_tokens, other.cached_tokens) == (0, 8, 0)
+
+
+def test_a_preempted_sequence_is_prefilled_again_from_its_cached_pages():
+    s = caching_scheduler(num_pages=7, max_num_seqs=2)  # 6 usable pages
+    s.add(old := prompt("old", list(range(8))))
+    s.add(new := prompt("new", list(range(8)) + [70, 71, 72]))
+    s.admit()  # old: 2 pages; new: shares them, plus 1
+    for seq in (old, new):
+        seq.output_ids.append(99)
+    preempted = []
+    while not preempted:  # the pool runs out within a few pages
+        preempted = s.reserve_decode()
+        for seq in s.running.values():
+            seq.output_ids.append(99)
+    assert preempted == [new] and new.cached_tokens == 8  # its first admission's count stays
+    s.finish(old, "length")
+    s.admit()
+    # every full page it had written is cached: its prompt's and the ones its decode steps filled
+    assert new.prefill_start == PS * ((new.length - 1) // PS) > 8

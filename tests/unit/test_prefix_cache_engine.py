@@ -13,7 +13,9 @@ import random
 
 import pytest
 
+from app.config import AppConfig
 from app.metrics import render
+from app.replica import engine_config
 from policies.prefix_cache import PrefixCache
 from tests.lora_adapters import adapter_for
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
@@ -231,3 +233,9 @@ def test_a_model_swap_forgets_what_the_old_weights_cached(tmp_path):
     assert after.output_ids == fresh.output_ids != before.output_ids
     (again,) = serve(e, (BASE[:20], GREEDY))
     assert again.cached_tokens == 16 and again.output_ids == fresh.output_ids
+
+
+def test_the_app_config_turns_it_on_by_default_and_off_when_asked():
+    assert engine_config(AppConfig()).enable_prefix_caching
+    assert not engine_config(AppConfig(enable_prefix_caching=False)).enable_prefix_caching
+    assert AppConfig.model_fields["enable_prefix_caching"].description

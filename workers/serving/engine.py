@@ -230,7 +230,8 @@ class LLMEngine:
             self._send(PREFILL, batch)
             self.runners.lora.prefill(batch)
         # A prefill after a cached prefix reads it back from the pages: its own first call too.
-        context = PrefillInputs.scratch([self.cache.page_size], self.cache.scratch_slot, context=self.cache.page_size)
+        half = max(1, min(self.cache.page_size, self.max_model_len // 2))
+        context = PrefillInputs.scratch([half], self.cache.scratch_slot, context=half)
         self._send(PREFILL, context)
         self.runner.prefill(context)
         rows = len(lens)
