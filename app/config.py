@@ -153,6 +153,14 @@ class AppConfig(BaseModel):
         "`graph_memory_budget_mb`; never more than every sequence at `max_model_len` needs. On CPU the pool holds "
         "`max_num_seqs` x `max_model_len`",
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description=(
+            "Reuse the KV pages of a prompt prefix already computed (chat histories, shared system "
+            "prompts): full pages only, keyed by a SHA-256 chain of their tokens and the LoRA adapter "
+            "(name, path, load); idle cached pages are evicted least recently used when the pool needs room."
+        ),
+    )
     compile_cache_dir: str | None = Field(
         None,
         description="the on-disk cache of the compiled decode step (inductor's and Triton's; `compile` is on by "

@@ -434,13 +434,14 @@ class Ingress:
         (every write is an item through the proxy, and at high concurrency streams end together).
         With n choices, items carry their choice's index and the last choice to end sends the final
         chunk. A stream the server cannot finish ends with an error event in OpenAI's shape, then [DONE]."""
-        tail, started, ended, completion_tokens = b"", set(), set(), {}
+        tail, started, ended, completion_tokens, cached = b"", set(), set(), {}, {}
         async for item in _chain_items(first, items):
             if isinstance(item, Failure):
                 yield _sse(error_body(item.status, item.error)) + _sse("[DONE]")
                 return
             index = item.index
             completion_tokens[index] = item.completion_tokens
+            cached.setdefault(index, item.cached_tokens)  # the first prefill's, as `Choice` keeps
             opening = index not in started
             if item.text or opening or item.finish_reason is not None or item.logprobs:
                 started.add(index)
@@ -455,7 +456,7 @@ class Ingress:
             yield _sse(error_body(_REPLICA_GONE.status, _REPLICA_GONE.error)) + _sse("[DONE]")
             return
         if include_usage:
-            tail += _sse(shape.usage_chunk(first.prompt_tokens, sum(completion_tokens.values())))
+            tail += _sse(shape.usage_chunk(first.prompt_tokens, sum(completion_tokens.values()), cached))
         yield tail + _sse("[DONE]")
 
     async def _collect(self, shape: ResponseShape, first: ChoiceChunk, items) -> Response:

@@ -103,6 +103,7 @@ class _StatusCollector:
             labels=["result", "bucket_id", "replica"],
         )
         yield from self._lora()
+        yield from self._prefix_cache()
         for replica, status in self.statuses.items():
             for check in status.get("stats", {}).get("shadow", {}).get("by_bucket", []):
                 shadow.add_metric([check["result"], check["bucket_id"], replica], check["count"])
@@ -130,6 +131,31 @@ class _StatusCollector:
         yield _histogram(
             "graphserve_tpot_seconds", "Time per output token", {r: v["tpot_s"] for r, v in with_requests.items()}
         )
+
+    def _prefix_cache(self):
+        """Hit rate inputs (hits / queries, over any window) and the pages a new prompt may reuse."""
+        queries = CounterMetricFamily(
+            "graphserve_prefix_cache_queries_tokens",
+            "Tokens of prefilled sequences looked up in the prefix cache",
+            labels=["replica"],
+        )
+        hits = CounterMetricFamily(
+            "graphserve_prefix_cache_hits_tokens",
+            "Tokens found in the prefix cache (their KV reused, not computed)",
+            labels=["replica"],
+        )
+        cached = GaugeMetricFamily(
+            "graphserve_kv_pages_cached", "KV pages holding a cached prefix (held or idle)", labels=["replica"]
+        )
+        for replica, status in self.statuses.items():
+            lookups = status.get("stats", {}).get("prefix_cache")
+            if lookups is not None:
+                queries.add_metric([replica], lookups["queries_tokens"])
+                hits.add_metric([replica], lookups["hits_tokens"])
+            kv = status.get("kv_cache") or {}
+            if "pages_cached" in kv:
+                cached.add_metric([replica], kv["pages_cached"])
+        yield from (queries, hits, cached)
 
     def _lora(self):
         """Adapters per replica. The `adapter` label takes only names an operator registered (a

@@ -240,24 +240,35 @@ class ChatRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens served from the prefix cache, not computed."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def _cached_of(by_choice: dict[int, int]) -> int:
+    """A request's cached prompt tokens from its choices' (each prefilled the prompt): the fewest."""
+    return min(by_choice.values(), default=0)
 
 
 @dataclass
 class Choice:
-    """One choice of a whole response, collected from the replica's items for it."""
+    """One choice of a whole response, collected from the replica's items for it. cached_tokens:
+    its first item's (a stream continued elsewhere prefills again; its prompt was cached or not once)."""
 
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
     logprobs: list[LogprobItem] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     def add(self, chunk: ChoiceChunk) -> None:
+        if self.cached_tokens is None:
+            self.cached_tokens = chunk.cached_tokens
         self.text += chunk.text
         self.finish_reason = chunk.finish_reason
         self.completion_tokens = chunk.completion_tokens
@@ -305,7 +316,8 @@ class ResponseShape:
             choice["logprobs"] = self._logprobs(index, c.logprobs)
             out.append(choice)
         completion_tokens = sum(c.completion_tokens for c in choices)
-        return {**self._base(self.object), "choices": out, "usage": usage(prompt_tokens, completion_tokens)}
+        cached = _cached_of({i: c.cached_tokens or 0 for i, c in enumerate(choices)})
+        return {**self._base(self.object), "choices": out, "usage": usage(prompt_tokens, completion_tokens, cached)}
 
     def chunk(
         self,
@@ -323,9 +335,13 @@ class ResponseShape:
         choice["logprobs"] = self._logprobs(index, logprobs or [])
         return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_by_choice: dict[int, int] | None = None
+    ) -> dict:
+        """The stream's last chunk; cached_by_choice: each choice's cached prompt tokens (its first item's)."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        cached = _cached_of(cached_by_choice or {})
+        return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}
 
     def _logprobs(self, index: int, tokens: list[LogprobItem]) -> dict | None:
         """OpenAI's logprobs of these tokens of choice `index`: chat's content list, or the legacy

@@ -73,6 +73,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         kv_cache_tokens=config.kv_cache_tokens,
         kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         compile_cache_dir=config.compile_cache_dir,
+        enable_prefix_caching=config.enable_prefix_caching,
         graph_policy=config.graph_policy(),
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank, tuple(config.lora.target_modules))
         if config.lora
@@ -431,6 +432,7 @@ class LLMReplica:
                         event.text,
                         event.finish_reason,
                         event.prompt_tokens,
+                        event.cached_tokens,
                         event.completion_tokens,
                         event.token_ids,
                         event.seed,

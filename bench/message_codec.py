@@ -20,7 +20,7 @@ from workers.protocol import ChoiceChunk, GenerateRequest, decode_item, decode_r
 from workers.serving.detokenizer import DetokState
 from workers.serving.sampling import SamplingParams
 
-CHUNK = ChoiceChunk(0, " hello", None, 130, 17, [1234], 123456789, DetokState(10, 12, ""), "a1b2c3d4e5f6")
+CHUNK = ChoiceChunk(0, " hello", None, 130, 0, 17, [1234], 123456789, DetokState(10, 12, ""), "a1b2c3d4e5f6")
 REQUEST = GenerateRequest(
     "tenant-a",
     "chat",

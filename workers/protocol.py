@@ -74,6 +74,7 @@ class ChoiceChunk(msgspec.Struct, frozen=True, array_like=True, tag=True):
     text: str
     finish_reason: str | None
     prompt_tokens: int
+    cached_tokens: int  # of the prompt, found in the prefix cache (usage's cached_tokens)
     completion_tokens: int
     token_ids: list[int]
     seed: int | None
@@ -125,6 +126,7 @@ class StreamEvent:
     logprobs: list[TokenLogprob] | None = None
     seed: int | None = None  # the seed its tokens are drawn with (drawn here when the request had none)
     detok: DetokState | None = None  # the detokenizer's state after this event's tokens
+    cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache (usage)
 
 
 @dataclass(frozen=True)

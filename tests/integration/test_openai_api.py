@@ -168,6 +168,51 @@ def test_chat_completion(server, client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_a_repeated_prefix_is_reported_as_cached_tokens(server, client):
+    """The second request of a prompt reuses its full KV pages (16 tokens each, the page of its last
+    token computed again): usage.prompt_tokens_details.cached_tokens says how many tokens, for
+    completions and chat, whole and in a stream's usage chunk, with the same text as the first;
+    /metrics counts the lookups and the cached pages."""
+    prompt = f"{uuid.uuid4().hex} shared prefix of a conversation"  # 65 tokens: four full pages and 1
+    first = client.completions.create(model=server.model, prompt=prompt, max_tokens=5, temperature=0)
+    assert first.usage.prompt_tokens == byte_prompt_tokens(prompt) == 65
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=server.model, prompt=prompt, max_tokens=5, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64 and again.choices[0].text == first.choices[0].text
+    stream = client.completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+
+    messages = [{"role": "system", "content": prompt}, {"role": "user", "content": "and a question"}]
+    chats = [client.chat.completions.create(model=server.model, messages=messages, max_tokens=5, temperature=0)]
+    chats.append(client.chat.completions.create(model=server.model, messages=messages, max_tokens=5, temperature=0))
+    cached = [c.usage.prompt_tokens_details.cached_tokens for c in chats]
+    assert cached[0] == 0 and cached[1] == (chats[1].usage.prompt_tokens - 1) // 16 * 16
+    assert chats[1].choices[0].message.content == chats[0].choices[0].message.content
+
+    def total(families, name: str) -> float:
+        return sum(s.value for s in families[name].samples if s.name.endswith("_total"))
+
+    def counted():  # a replica's counters reach /metrics with its next status report
+        families = _metrics(server)[1]
+        return families if total(families, "graphserve_prefix_cache_hits_tokens") >= 64 * 2 + cached[1] else None
+
+    families = wait_for(counted, 15, what="the prefix-cache hits to reach /metrics")
+    assert total(families, "graphserve_prefix_cache_queries_tokens") > total(
+        families, "graphserve_prefix_cache_hits_tokens"
+    )
+    (pages,) = families["graphserve_kv_pages_cached"].samples
+    assert pages.value >= 4
+
+
 def test_chat_max_completion_tokens(server, client):
     """max_completion_tokens (the newer chat name) caps the output like max_tokens."""
     r = client.chat.completions.create(

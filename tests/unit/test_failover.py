@@ -176,7 +176,7 @@ async def test_a_continuation_with_nothing_left_to_generate_is_refused(tiny, run
 
 def chunk(ids: list[int], replica: str = "r1", seed: int = 9, index: int = 0, finish: str | None = None):
     text = "".join(map(str, ids))
-    return ChoiceChunk(index, text, finish, 3, 0, ids, seed, DetokState(0, len(ids), ""), replica)
+    return ChoiceChunk(index, text, finish, 3, 0, 0, ids, seed, DetokState(0, len(ids), ""), replica)
 
 
 ENGINE_DEAD = Failure("the engine failed", 503, retry=True, replica_id="r1")

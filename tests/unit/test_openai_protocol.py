@@ -301,8 +301,11 @@ def test_bad_sampling_fields_are_refused_naming_them(schema, changes, field):
 # -- response shapes -------------------------------------------------------------------------------
 
 
-def chunk(text: str, finish_reason: str | None, completion_tokens: int, logprobs: list[LogprobItem]) -> ChoiceChunk:
-    return ChoiceChunk(0, text, finish_reason, 3, completion_tokens, [], None, DetokState(0, 0, ""), "r", logprobs)
+def chunk(
+    text: str, finish_reason: str | None, completion_tokens: int, logprobs: list[LogprobItem], cached_tokens: int = 0
+) -> ChoiceChunk:
+    detok = DetokState(0, 0, "")
+    return ChoiceChunk(0, text, finish_reason, 3, cached_tokens, completion_tokens, [], None, detok, "r", logprobs)
 
 
 TOKENS = [
@@ -323,7 +326,12 @@ def test_whole_chat_response_with_choices_and_logprobs():
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert [c["message"]["content"] for c in body["choices"]] == ["Hié", "x"]
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     content = body["choices"][0]["logprobs"]["content"]
     e_acute = {"token": "é", "logprob": -2.0, "bytes": [0xC3, 0xA9]}
     a = {"token": "a", "logprob": -0.1, "bytes": [97]}
@@ -378,3 +386,18 @@ def test_openapi_declares_the_request_bodies():
     assert components["ChatMessage"]["properties"]["role"]["enum"][0] == "system"
     refs = {v for v in json.dumps(schema).split('"') if v.startswith("#/")}
     assert all(ref.split("/")[-1] in components for ref in refs)  # every reference resolves
+
+
+def test_usage_reports_the_fewest_cached_prompt_tokens_of_the_first_items():
+    """cached_tokens per choice is its first item's (a continuation elsewhere prefills again); a
+    request's is the fewest of its choices' (each prefilled the prompt)."""
+    shape = ResponseShape(False, "m", n=2)
+    first, second = Choice(), Choice()
+    first.add(chunk("a", None, 1, [], cached_tokens=32))
+    first.add(chunk("b", "length", 2, [], cached_tokens=0))
+    second.add(chunk("c", "length", 1, [], cached_tokens=48))
+    usage = shape.whole([first, second], prompt_tokens=50)["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32} and usage["total_tokens"] == 53
+    usage_chunk = shape.usage_chunk(50, 3, {0: 48, 1: 16})
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert shape.usage_chunk(50, 3)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -179,7 +179,8 @@ class GraphRunner:
         """Prefill always runs eager; here so every rank makes each model call the same one way."""
         self.cache.set_pages(batch.pages)
         tokens, positions, slots, adapters = batch.to_device(self.device)
-        return self.model.prefill(tokens, positions, slots, batch.lens, self.cache, adapters if self.lora else None)
+        adapters = adapters if self.lora else None
+        return self.model.prefill(tokens, positions, slots, batch.lens, self.cache, adapters, batch.context_lens)
 
     def _load(self, batch: DecodeInputs, bucket: int) -> None:
         """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""

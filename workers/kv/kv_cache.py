@@ -85,6 +85,10 @@ class KVCache:
         """Store k, v of shape (tokens, kv_heads, head_dim) at their `write_index` positions."""
         kv_write(self.k[layer], self.v[layer], index, k, v)
 
+    def read(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of shape (len(index), kv_heads, head_dim) stored at these flattened pool positions."""
+        return self.k[layer].flatten(0, 1)[index], self.v[layer].flatten(0, 1)[index]
+
     def gather(self, layer: int, slot_ids: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the slots' first num_pages pages, position-ordered:
         (rows, kv_heads, num_pages * page_size, head_dim) each (for attention without paged kernels)."""

@@ -1,10 +1,17 @@
-"""Causal attention for a prefill: whole prompts packed end to end, each attending to itself only.
+"""Causal attention for a prefill: prompts packed end to end, each attending to itself only.
 
 On CUDA in bf16/fp16 one variable-length flash-attention call per layer covers every prompt of the
 step (`torch.nn.attention.varlen`). Elsewhere (CPU, fp32, a torch without it) each prompt gets its
 own SDPA call. The single call matters under a burst of arrivals: a prefill of many short prompts
 is launch-bound, and one attention call per prompt per layer made its cost grow with the number of
 prompts rather than their tokens.
+
+A prompt whose first positions are cached (prefix caching) brings only its other tokens' queries;
+its keys and values are its whole context, read back from its pages after the layer wrote the new
+ones (`key_positions`). Query i of such a prompt sits at position context + i and sees keys up to
+there: the causal diagonal aligned to the keys' end. Flash attention's causal mask is aligned that
+way when queries and keys differ in length (what torch's `causal_lower_right` relies on); the SDPA
+path builds that mask itself (SDPA's own `is_causal` aligns to the start).
 """
 
 from __future__ import annotations
@@ -27,11 +34,26 @@ _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class PackedPrompts:
-    """Where each prompt starts in the packed tokens; built once per prefill, used by every layer."""
+    """Where each prompt starts in the packed queries and in the packed keys (which also hold its
+    cached context, if any); built once per prefill, used by every layer."""
 
-    def __init__(self, seq_lens: list[int], device: torch.device) -> None:
+    def __init__(self, seq_lens: list[int], device: torch.device, context_lens: list[int] | None = None) -> None:
         self.max_len = max(seq_lens)
         self.starts = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device)
+        self.key_lens = [c + n for c, n in zip(context_lens, seq_lens)] if context_lens else list(seq_lens)
+        self.max_keys = max(self.key_lens)
+        self.key_starts = self.starts
+        if context_lens:
+            self.key_starts = torch.tensor([0, *accumulate(self.key_lens)], dtype=torch.int32, device=device)
+
+    def key_positions(self, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot, position) of every key, packed: per prompt its slot at positions 0 .. context +
+        len - 1. On the device, no host sync: the sizes are known on the host."""
+        total = sum(self.key_lens)
+        repeats = torch.tensor(self.key_lens, device=slot_ids.device)
+        slots = torch.repeat_interleave(slot_ids[self.starts[:-1].long()], repeats, output_size=total)
+        first = torch.repeat_interleave(self.key_starts[:-1].long(), repeats, output_size=total)
+        return slots, torch.arange(total, device=slot_ids.device) - first
 
 
 def packed_supported(x: torch.Tensor, window: int | None) -> bool:
@@ -44,7 +66,7 @@ def packed_supported(x: torch.Tensor, window: int | None) -> bool:
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prompts: PackedPrompts, window: int | None
 ) -> torch.Tensor:
-    """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) -> (tokens, heads * dim), one call."""
+    """q (tokens, heads, dim), k/v (keys, kv_heads, dim) -> (tokens, heads * dim), one call."""
     kwargs = {}
     if "enable_gqa" in _VARLEN_PARAMS:
         kwargs["enable_gqa"] = True
@@ -55,21 +77,39 @@ def packed_attention(
         kwargs["window_size"] = (window - 1 if window else -1, 0)  # (left, right): causal, windowed if set
     else:
         kwargs["is_causal"] = True
-    out = varlen_attn(q, k, v, prompts.starts, prompts.starts, prompts.max_len, prompts.max_len, **kwargs)
+    out = varlen_attn(q, k, v, prompts.starts, prompts.key_starts, prompts.max_len, prompts.max_keys, **kwargs)
     return out.reshape(q.shape[0], -1)
 
 
+def visible_keys(tokens: int, context: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(tokens, context + tokens): query i, at position context + i, sees the keys at positions up
+    to its own (and within the sliding window, if any)."""
+    query = torch.arange(context, context + tokens, device=device)[:, None]
+    key = torch.arange(context + tokens, device=device)[None, :]
+    visible = key <= query
+    if window:
+        visible &= key > query - window
+    return visible
+
+
 def per_prompt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], window: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: list[int],
+    window: int | None,
+    context_lens: list[int] | None = None,
 ) -> torch.Tensor:
-    """The same result with one SDPA call per prompt."""
+    """The same result with one SDPA call per prompt; with `context_lens`, k/v hold each prompt's
+    cached context before its new tokens."""
+    context_lens = context_lens or [0] * len(seq_lens)
+    key_lens = [c + n for c, n in zip(context_lens, seq_lens)]
     outs = []
-    for qs, ks, vs in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens)):
+    for qs, ks, vs, context in zip(q.split(seq_lens), k.split(key_lens), v.split(key_lens), context_lens):
         n = qs.shape[0]
         qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))
-        if window and n > window:
-            i = torch.arange(n, device=qs.device)
-            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        if context or (window and n > window):
+            mask = visible_keys(n, context, window, qs.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)

@@ -259,22 +259,29 @@ class LlamaModel(nn.Module):
         seq_lens: list[int],
         cache: KVCache,
         adapters: torch.Tensor | None = None,
+        context_lens: list[int] | None = None,
     ) -> torch.Tensor:
-        """Whole prompts packed end to end (tokens of shape (sum(seq_lens),)); returns the logits of
-        each prompt's last token, (len(seq_lens), vocab). Attention is causal within each prompt:
-        one call for all prompts where the device allows (`prefill_attention.py`)."""
+        """Prompts packed end to end (tokens of shape (sum(seq_lens),)); returns the logits of each
+        prompt's last token, (len(seq_lens), vocab). Attention is causal within each prompt: one
+        call for all prompts where the device allows (`prefill_attention.py`). `context_lens`:
+        per prompt, the positions before its first token here, whose K/V its pages already hold (a
+        cached prefix): its tokens attend to those too, read back from the cache."""
         window = self.cfg.sliding_window
+        context = context_lens if context_lens and any(context_lens) else None
         h, cos, sin = self.embed_tokens(tokens, positions)
         packed = packed_supported(h, window)
-        prompts = PackedPrompts(seq_lens, h.device) if packed else None
+        prompts = PackedPrompts(seq_lens, h.device, context) if packed or context else None
         index = cache.write_index(slot_ids, positions)
+        keys_at = cache.write_index(*prompts.key_positions(slot_ids)) if context else None
         lora = self._lora_batch(adapters)
         for i in range(len(self.layers)):
             q, k, v = self.pre_attention(i, h, cos, sin, index, cache, lora)
+            if keys_at is not None:  # this layer's new K/V are in the pages now, after the cached ones
+                k, v = cache.read(i, keys_at)
             if packed:
                 attn = packed_attention(q, k, v, prompts, window)
             else:
-                attn = per_prompt_attention(q, k, v, seq_lens, window)
+                attn = per_prompt_attention(q, k, v, seq_lens, window, context)
             h = self.post_attention(i, h, attn, lora)
         last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
         return self.logits(h[last])

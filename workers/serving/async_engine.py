@@ -200,10 +200,11 @@ class StreamFront(ABC):
     async def _stream(
         self, seq: Sequence, stream: _Stream, coalescing: Coalescing, detok: IncrementalDetokenizer, produced: int
     ) -> AsyncIterator[StreamEvent]:
-        finished = False
+        finished, cached = False, 0
         try:
             while not finished:
                 item = self._merge(await stream.events.get(), stream.events)
+                cached = cached if item.cached_tokens is None else item.cached_tokens
                 token_ids, text, hit_stop = self._detokenize(detok, item.token_ids)
                 produced += len(token_ids)
                 reason = item.finish_reason
@@ -224,6 +225,7 @@ class StreamFront(ABC):
                     logprobs,
                     seq.seed,
                     detok.state(),
+                    cached,
                 )
                 wait_s = coalescing.wait_s(len(self._streams))
                 if wait_s and not finished:
@@ -263,8 +265,13 @@ class StreamFront(ABC):
             logprobs = None  # an abort's event has none even where the request's other events have
             if item.logprobs is not None or following.logprobs is not None:
                 logprobs = (item.logprobs or []) + (following.logprobs or [])
+            cached = item.cached_tokens if following.cached_tokens is None else following.cached_tokens
             item = TokenEvent(
-                item.request_id, item.token_ids + following.token_ids, following.finish_reason, logprobs=logprobs
+                item.request_id,
+                item.token_ids + following.token_ids,
+                following.finish_reason,
+                logprobs=logprobs,
+                cached_tokens=cached,
             )
 
     def _emit(self, events: list[TokenEvent]) -> None:

@@ -17,6 +17,7 @@ from policies.dispatch import EngineState, FallbackReason, split_by_permission
 from policies.graph_policy import GraphPolicy
 from policies.kv_blocks import BlockManager
 from policies.lora_slots import AdapterKey, AdapterSlots
+from policies.prefix_hash import adapter_salt
 from workers.graphs.compile_cache import key_inputs, use_compile_cache
 from workers.graphs.graph_runner import GraphRunner, StepRunners
 from workers.kv.attention import make_backend
@@ -58,6 +59,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # compile caches, a subdirectory per key (`compile_cache.py`); None: /tmp
     graph_policy: GraphPolicy = GraphPolicy()
     lora: LoraLimits | None = None  # adapter slots; None: LoRA off, and it costs nothing
+    enable_prefix_caching: bool = True  # reuse the KV pages of a cached prompt prefix (`kv_blocks.py`)
 
     def batch_limit(self, device: torch.device) -> int:
         if self.max_num_seqs is not None:
@@ -78,7 +80,7 @@ class EngineStatus:
     compile_s: float
     stats: dict
     memory_mb: dict[str, float]  # weights, kv_pool, graphs (and lora slots): this rank's device memory, apart
-    kv_cache: dict[str, int]  # page_size, pages, pages_free, max_num_seqs, preemptions
+    kv_cache: dict[str, int]  # page_size, pages, pages_free, pages_cached, max_num_seqs, preemptions
     lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
     startup: dict | None = None  # total_s, phases (seconds each, `startup.py`), compiled_graphs
@@ -95,13 +97,14 @@ class EngineStatus:
 class TokenEvent:
     """New tokens of one request from one engine step; finish_reason is set on its last event,
     and error too when the request failed (its stream raises it). logprobs, for a request that
-    asked for them: one per token."""
+    asked for them: one per token. cached_tokens: on every event of a prefilled request."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: BaseException | None = None
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int | None = None  # prompt tokens its prefill found in the prefix cache; None: not said
 
 
 def resolve_device(name: str) -> torch.device:
@@ -198,12 +201,15 @@ class LLMEngine:
             config.max_prefill_tokens,
             vocab_size=model.cfg.vocab_size,
             blocks=BlockManager(self.cache.num_pages, self.cache.page_size, reserved=1),
+            prefix_caching=config.enable_prefix_caching,
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
         self.sampler = BatchSampler(self.cache.num_slots, model.cfg.vocab_size, self.device)
         self.runners = make_runners(model, self.cache, config.graph_policy)
         self.runner = self.runners.base
         self.adapter_slots = AdapterSlots(model.lora.max_loras) if model.lora else None
+        self._adapter_loads = 0  # adapters loaded into slots so far: each load's generation
+        self._slot_generation: dict[int, int] = {}  # slot -> the generation of the load it holds
         self._refused: list[TokenEvent] = []  # requests whose adapter failed to load at admission
         self.channel = channel
         try:
@@ -243,6 +249,11 @@ class LLMEngine:
             batch = batch._replace(adapters=[1] * len(batch.tokens))
             self._send(PREFILL, batch)
             self.runners.lora.prefill(batch)
+        # A prefill after a cached prefix reads it back from the pages: its own first call too.
+        half = max(1, min(self.cache.page_size, self.max_model_len // 2))
+        context = PrefillInputs.scratch([half], self.cache.scratch_slot, context=half)
+        self._send(PREFILL, context)
+        self.runner.prefill(context)
         rows = len(lens)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
             sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
@@ -275,6 +286,7 @@ class LLMEngine:
                 "page_size": self.cache.page_size,
                 "pages": self.cache.num_pages - 1,
                 "pages_free": self.scheduler.blocks.num_free,
+                "pages_cached": self.scheduler.blocks.prefix.num_cached,
                 "max_num_seqs": self.cache.num_slots,
                 "preemptions": self.scheduler.num_preempted,
             },
@@ -381,6 +393,7 @@ class LLMEngine:
                 self.stats.record_adapter_load("refused", 0.0)
                 raise InvalidRequest(f"adapter {seq.adapter[0]!r} cannot be served: {e}") from e
         seq.adapter_slot = grant.slot
+        seq.cache_salt = adapter_salt(*seq.adapter, self._slot_generation[grant.slot])
         return True
 
     def _load_adapter(self, slot: int, key: AdapterKey) -> None:
@@ -401,6 +414,8 @@ class LLMEngine:
         why = self.runners.lora.check_adapter(slot, others)
         if why is not None:
             raise AdapterError(f"verification: a probe step with it did not replay what eager computes: {why}")
+        self._adapter_loads += 1
+        self._slot_generation[slot] = self._adapter_loads  # KV cached with an earlier load is not reused
         self.stats.record_adapter_load("loaded", loaded)
 
     def forget_adapters(self) -> None:
@@ -408,6 +423,10 @@ class LLMEngine:
         adapter loads and verifies it again."""
         if self.adapter_slots is not None:
             self.adapter_slots = AdapterSlots(self.adapter_slots.max_loras)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix: what new weights compute differs from what the pages hold."""
+        self.scheduler.blocks.clear_prefix_cache()
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.adapter_slot:
@@ -464,6 +483,8 @@ class LLMEngine:
         batch = PrefillInputs.of(seqs, self.scheduler.take_edits())
         self._send(PREFILL, batch)
         logits = self.runners.of(batch).prefill(batch)
+        if self.scheduler.prefix_caching:  # tokens looked up in the prefix cache, and found there
+            self.stats.record_prefix_cache(sum(s.length for s in seqs), sum(s.prefill_start for s in seqs))
         self.sampler.admit(seqs)
         self._accept(seqs, logits, events)
         self.stats.record_prefill(len(seqs), len(batch.tokens))
@@ -516,7 +537,9 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(seqs, drawn)):
             p = seq.params
             kept = None if p.logprobs is None else []  # the logprobs of its tokens, when it asked for them
-            event = events.setdefault(seq.request_id, TokenEvent(seq.request_id, [], logprobs=kept))
+            event = events.setdefault(
+                seq.request_id, TokenEvent(seq.request_id, [], logprobs=kept, cached_tokens=seq.cached_tokens)
+            )
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 self._retire(seq, "stop", event)
                 continue

@@ -154,6 +154,7 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
     names = [name for name, _ in engine.model.named_parameters()]
     old = engine.config, engine.revision, engine.eos_token_ids
     engine.tell_followers(SWAP_LOAD, 0, list(str(model_dir).encode()))
+    engine.clear_prefix_cache()  # K/V of the old weights: the gate's own prompts must not reuse them
     failure: BaseException | None = None
     try:
         load_weights(engine.model, model_dir)
@@ -175,6 +176,7 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
         return tokenizer, report
     restore_weights(saved)
     engine.cache.clear()  # what the failed model wrote (NaN, maybe) must not reach a later attention
+    engine.clear_prefix_cache()  # and the pages cached meanwhile hold the failed model's K/V (or zeros now)
     engine.config, engine.revision, engine.eos_token_ids = old
     if failure is not None:
         raise failure

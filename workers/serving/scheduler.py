@@ -9,6 +9,11 @@ freed and they go back to the front of the queue with every token kept, to be pr
 (prompt and output so far) when pages are free. Each step's prompt tokens are bounded so a burst of
 long prompts cannot stall decoding. Every page given out is also recorded as a block-table edit
 (slot, index, page) for the engine to hand to the device (`take_edits`).
+
+With prefix caching, each sequence's full pages are named by a hash chain of its tokens salted with
+its adapter (`policies/prefix_hash.py`): an admitted sequence reuses the cached pages of its prefix
+and its prefill starts after them (`prefill_start`); its own full pages become cached as they are
+written, the prompt's at admission, the rest as decode steps fill them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 from policies.dispatch import FallbackReason
 from policies.kv_blocks import BlockManager
+from policies.prefix_hash import page_hashes
 from workers.serving.sampling import InvalidRequest, SamplingParams
 
 
@@ -44,6 +50,10 @@ class Sequence:
     graph_denial: FallbackReason | None = None
     adapter: tuple[str, str] | None = None  # the LoRA adapter it asked for: (name, path)
     adapter_slot: int = 0  # the LoRA slot its rows read; 0: none (or not granted yet)
+    cache_salt: bytes | None = b""  # what its KV depends on beyond its tokens; None: not known yet
+    page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full pages so far
+    prefill_start: int = 0  # positions its next prefill finds cached (it computes the rest)
+    cached_tokens: int | None = None  # prompt tokens its first prefill found cached (usage)
 
     @property
     def length(self) -> int:
@@ -76,6 +86,7 @@ def new_sequence(
         list(output_ids),
         graph_denial=graph_denial,
         adapter=adapter,
+        cache_salt=b"" if adapter is None else None,  # an adapter's salt names its load: set when granted
     )
 
 
@@ -122,8 +133,10 @@ class Scheduler:
         max_prefill_tokens: int,
         vocab_size: int | None = None,
         blocks: BlockManager | None = None,
+        prefix_caching: bool = False,
     ) -> None:
-        """Without `blocks`, a pool of 16-token pages that holds every slot at max_model_len."""
+        """Without `blocks`, a pool of 16-token pages that holds every slot at max_model_len.
+        `prefix_caching`: reuse cached full pages of a prompt's prefix."""
         self.blocks = blocks or BlockManager(1 + max_num_seqs * -(-max_model_len // 16), 16)
         if self.blocks.capacity_tokens < max_model_len:
             raise ValueError(
@@ -135,6 +148,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.limits = RequestLimits(max_model_len, vocab_size, max_num_seqs + max_waiting)
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_caching = prefix_caching
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest first
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # in admission order: the oldest first
@@ -155,8 +169,10 @@ class Scheduler:
         """Move waiting sequences into free slots, first come first served, within the step's
         prompt-token budget (the first admission always fits so a long prompt cannot starve) and
         while the pool has pages for them and for what the running batch needs this step: a
-        sequence's tokens so far plus the one its first decode writes. `ready(seq)` may hold the
-        queue's head back (its LoRA adapter has no slot yet) or end it (`finish`) before it runs."""
+        sequence's tokens so far plus the one its first decode writes. Tokens and pages found in
+        the prefix cache count for neither. `ready(seq)` may hold the queue's head back (its LoRA
+        adapter has no slot yet) or end it (`finish`) before it runs. The caller prefills every
+        admitted sequence in this step: the pages they compute are cached from now on."""
         admitted: list[Sequence] = []
         if not self.waiting or not self.free_slots:
             return admitted  # the common step: nothing to admit, so no pass over the running batch
@@ -164,22 +180,36 @@ class Scheduler:
         reserve = sum(self.blocks.needs_page(s.request_id) for s in self.running.values())
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
-            if admitted and seq.length > budget:
+            hits = self.blocks.cached_prefix(seq.length, self._hashes(seq))
+            if admitted and seq.length - len(hits) * self.blocks.page_size > budget:
                 break
-            if self.blocks.pages_for(min(seq.length + 1, self.max_model_len)) + reserve > self.blocks.num_free:
+            if self.blocks.pages_taken(hits, min(seq.length + 1, self.max_model_len)) + reserve > self.blocks.num_free:
                 break
             if not ready(seq):
                 if self.waiting and self.waiting[0] is seq:
                     break
                 continue
             self.waiting.popleft()
-            budget -= seq.length
             seq.slot = self.free_slots.pop()
-            self._edit(seq.slot, 0, self.blocks.allocate(seq.request_id, seq.length))
+            # hashed again: a salt known only once `ready` granted the adapter finds no fewer pages
+            self._edit(seq.slot, 0, self.blocks.allocate(seq.request_id, seq.length, self._hashes(seq)))
+            seq.prefill_start = self.blocks.cached_tokens(seq.request_id)
+            if seq.cached_tokens is None:
+                seq.cached_tokens = min(seq.prefill_start, len(seq.prompt_ids))
+            budget -= seq.length - seq.prefill_start
             reserve += self.blocks.needs_page(seq.request_id)
             self.running[seq.request_id] = seq
             admitted.append(seq)
         return admitted
+
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        """The chain hashes of seq's full pages (extended as it grows); none without prefix
+        caching or while its salt is unknown (then it is admitted as if nothing were cached)."""
+        if not self.prefix_caching or seq.cache_salt is None:
+            return []
+        if len(seq.page_hashes) < seq.length // self.blocks.page_size:
+            seq.page_hashes = page_hashes(seq.token_ids, self.blocks.page_size, seq.cache_salt, seq.page_hashes)
+        return seq.page_hashes
 
     def reserve_decode(self) -> list[Sequence]:
         """Room for one more position of every running sequence. Returns the sequences preempted
@@ -195,7 +225,17 @@ class Scheduler:
             self.waiting.appendleft(seq)
             out.append(seq)
         self.num_preempted += len(out)
+        if self.prefix_caching:
+            self._cache_filled_pages()
         return out
+
+    def _cache_filled_pages(self) -> None:
+        """The pages this step's decode fills (its write is a page's last position) become cached."""
+        page_size = self.blocks.page_size
+        for seq in self.running.values():
+            if seq.length % page_size == 0 and seq.cache_salt is not None:
+                hashes = self._hashes(seq)
+                self.blocks.cache_page(seq.request_id, len(hashes) - 1, hashes[-1])
 
     def take_edits(self) -> list[int]:
         """Block-table edits since the last call, as flat (slot, index, page) triples."""

@@ -1,5 +1,5 @@
 """Engine counters: steps, tokens, busy time, decode batch sizes, time to first token, time per
-output token."""
+output token, prefix-cache lookups."""
 
 from __future__ import annotations
 
@@ -81,12 +81,20 @@ class EngineStats:
         self.adapter_loads: Counter[str] = Counter()  # "loaded" | "refused" -> adapter loads
         self.adapter_load_s = 0.0  # seconds copying adapters into slots, all loads
         self.adapter_tokens: Counter[str] = Counter()  # adapter name -> tokens generated with it
+        self.prefix_queries_tokens = 0  # tokens of prefilled sequences looked up in the prefix cache
+        self.prefix_hits_tokens = 0  # ... and found there (not computed)
 
     def record_prefill(self, num_prompts: int, num_tokens: int) -> None:
         with self._lock:
             self.prefill_steps += 1
             self.prompt_tokens += num_tokens
             self.generated_tokens += num_prompts
+
+    def record_prefix_cache(self, queried: int, hit: int) -> None:
+        """One prefill's prefix-cache lookups: hit / queried is the hit rate (vLLM counts alike)."""
+        with self._lock:
+            self.prefix_queries_tokens += queried
+            self.prefix_hits_tokens += hit
 
     def record_decode(self, batch_size: int) -> None:
         with self._lock:
@@ -193,6 +201,7 @@ class EngineStats:
                 "ttft_s": _summary(self.ttft_s),
                 "tpot_s": _summary(self.tpot_s),
                 "cohorts": self.cohorts(),
+                "prefix_cache": {"queries_tokens": self.prefix_queries_tokens, "hits_tokens": self.prefix_hits_tokens},
                 "lora": {
                     "loads": dict(self.adapter_loads),
                     "load_s": self.adapter_load_s,

@@ -12,6 +12,7 @@ same pages without the table itself crossing the channel.
 from __future__ import annotations
 
 from collections.abc import Sequence as Rows
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -64,8 +65,9 @@ class DecodeInputs(NamedTuple):
 
 
 class PrefillInputs(NamedTuple):
-    """Whole sequences packed end to end (a preempted one again with its output so far): per token
-    its id, position, slot and adapter slot; per sequence its length."""
+    """Sequences packed end to end (a preempted one again with its output so far), each from its
+    `prefill_start` (the positions before it are in cached pages): per token its id, position,
+    slot and adapter slot; per sequence the count of its tokens here."""
 
     tokens: list[int]
     positions: list[int]
@@ -77,19 +79,21 @@ class PrefillInputs(NamedTuple):
     @classmethod
     def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> PrefillInputs:
         return cls(
-            [t for s in seqs for t in s.token_ids],
-            [p for s in seqs for p in range(s.length)],
-            [s.slot for s in seqs for _ in range(s.length)],
-            [s.adapter_slot for s in seqs for _ in range(s.length)],
-            [s.length for s in seqs],
+            [t for s in seqs for t in s.token_ids[s.prefill_start :]],
+            [p for s in seqs for p in range(s.prefill_start, s.length)],
+            [s.slot for s in seqs for _ in range(s.prefill_start, s.length)],
+            [s.adapter_slot for s in seqs for _ in range(s.prefill_start, s.length)],
+            [s.length - s.prefill_start for s in seqs],
             list(pages),
         )
 
     @classmethod
-    def scratch(cls, lens: Rows[int], scratch_slot: int) -> PrefillInputs:
-        """Prompts of zeros written only to the cache's scratch slot (warm-up, gates)."""
+    def scratch(cls, lens: Rows[int], scratch_slot: int, context: int = 0) -> PrefillInputs:
+        """Prompts of zeros written only to the cache's scratch slot (warm-up, gates), each after
+        `context` positions as if those were cached."""
         n = sum(lens)
-        return cls([0] * n, [p for m in lens for p in range(m)], [scratch_slot] * n, [0] * n, list(lens))
+        positions = [p for m in lens for p in range(context, context + m)]
+        return cls([0] * n, positions, [scratch_slot] * n, [0] * n, list(lens))
 
     @property
     def rows(self) -> int:
@@ -98,6 +102,13 @@ class PrefillInputs(NamedTuple):
     @property
     def uses_lora(self) -> bool:
         return any(self.adapters)
+
+    @property
+    def context_lens(self) -> list[int]:
+        """Per sequence, the positions before its first token here: K/V its pages already hold
+        (a cached prefix), which its tokens attend to. Read off the positions, so it needs no
+        room of its own in what crosses the tensor-parallel channel."""
+        return [self.positions[i] for i in accumulate(self.lens[:-1], initial=0)]
 
     def to_ints(self) -> list[int]:
         return [*self.lens, *self.tokens, *self.positions, *self.slots, *self.adapters, *self.pages]
