@@ -55,7 +55,7 @@ def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
         except Exception as e:
             done.set_exception(e)
     elif kind == DENY:
-        seq = engine.scheduler.find(arg[0])
+        seq = engine.find(arg[0])
         if seq is not None:
             seq.graph_denial = arg[1]
     elif kind == ABORT and engine.abort(*arg):

@@ -19,10 +19,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from policies.dispatch import FallbackReason
 from policies.kv_blocks import BlockManager
 from workers.serving.sampling import InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from workers.serving.grammar import Grammar
 
 
 class QueueFull(RuntimeError):
@@ -44,6 +48,7 @@ class Sequence:
     graph_denial: FallbackReason | None = None
     adapter: tuple[str, str] | None = None  # the LoRA adapter it asked for: (name, path)
     adapter_slot: int = 0  # the LoRA slot its rows read; 0: none (or not granted yet)
+    grammar: Grammar | None = None  # its response_format's matcher, once compiled (`grammar.py`)
 
     @property
     def length(self) -> int:

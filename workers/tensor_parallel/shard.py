@@ -56,7 +56,7 @@ class ShardWorker:
         self.channel = StepChannel(self.tp, device)
         self.error: BaseException | None = None
         if rank == 0:
-            engine = LLMEngine(model, config, eos, revision, channel=self.channel)
+            engine = LLMEngine(model, config, eos, revision, channel=self.channel, tokenizer=self.tokenizer)
             self.engine = AsyncEngine(engine, self.tokenizer, heartbeat_s=timeout_s / 4).start()
             self.runners = engine.runners
         else:
