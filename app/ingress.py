@@ -307,7 +307,7 @@ class Ingress:
         if "error" in first:
             await items.aclose()
             return error_response(
-                first["status"], first["error"], headers=RETRY_AFTER if first["status"] == 503 else None
+                first["status"], first["error"], first.get("param"), RETRY_AFTER if first["status"] == 503 else None
             )
         shape = ResponseShape(chat, req.model, req.n, payload["sampling"]["logprobs"] is not None)
         seed = {SEED_HEADER: str(first["seed"])}
@@ -423,7 +423,7 @@ class Ingress:
         tail, started, ended, completion_tokens = b"", set(), set(), {}
         async for item in _chain_items(first, items):
             if "error" in item:
-                yield _sse(error_body(item["status"], item["error"])) + _sse("[DONE]")
+                yield _sse(error_body(item["status"], item["error"], item.get("param"))) + _sse("[DONE]")
                 return
             index = item.get("index", 0)
             completion_tokens[index] = item["completion_tokens"]
@@ -449,7 +449,8 @@ class Ingress:
         choices = [Choice() for _ in range(shape.n)]
         async for item in _chain_items(first, items):
             if "error" in item:
-                return error_response(item["status"], item["error"], headers=RETRY_AFTER)
+                retry = RETRY_AFTER if item["status"] == 503 else None
+                return error_response(item["status"], item["error"], item.get("param"), retry)
             choices[item.get("index", 0)].add(item)
         if any(c.finish_reason is None for c in choices):
             return error_response(_REPLICA_GONE["status"], _REPLICA_GONE["error"], headers=RETRY_AFTER)

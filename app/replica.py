@@ -385,7 +385,7 @@ class LLMReplica:
                 streams = await self._first_events(prompt_ids, params, choice_ids, tenant, adapter, resume)
             except InvalidRequest as e:
                 outcome = "invalid"
-                yield {"error": str(e), "status": 400}
+                yield {"error": str(e), "status": 400, "param": e.param}
                 return
             except (QueueFull, EngineDeadError) as e:
                 outcome = "unavailable"
@@ -434,6 +434,9 @@ class LLMReplica:
                     "status": 503,
                     **self._retry(e),
                 }
+            except InvalidRequest as e:  # a schema's grammar that could not go on: the request's own fault
+                outcome = "invalid"
+                yield {"error": str(e), "status": 400, "param": e.param}
         finally:
             for choice_id in choice_ids:
                 self.tenant_of.pop(choice_id, None)
