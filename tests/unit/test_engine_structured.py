@@ -12,7 +12,7 @@ import threading
 import jsonschema
 import pytest
 
-from tests.unit.engine_fixtures import Tiny, load_tiny, run_alone
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.grammar import GrammarCompiler, InvalidSchema, canonical_schema
@@ -45,9 +45,7 @@ def tiny(tmp_path_factory) -> Tiny:
 
 
 def engine_for(tiny: Tiny, **config) -> LLMEngine:
-    """A fresh engine over the shared model that can compile schemas (it has the tokenizer)."""
-    cfg = EngineConfig(max_model_len=tiny.max_model_len, device="cpu", **{"max_num_seqs": 8, **config})
-    return LLMEngine(tiny.model, cfg, tiny.eos_token_ids, tokenizer=tiny.tokenizer)
+    return new_engine(tiny, **{"max_num_seqs": 8, **config})
 
 
 def prompt(seed: int, n: int = 6) -> list[int]:
