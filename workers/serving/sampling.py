@@ -161,13 +161,12 @@ def apply_penalties(
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` with row rows[i]'s tokens outside bitmask i set to -inf (bit j of word w allows
     token 32 * w + j; columns past the bitmask's are never allowed). Other rows are left as they are."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).view(bitmask.shape[0], -1).bool()
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    banned = (((bitmask[:, :, None] >> shifts) & 1) == 0).flatten(1)
     width = logits.shape[-1]
-    if allowed.shape[1] < width:
-        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))
-    masked = logits[rows].masked_fill(~allowed[:, :width], float("-inf"))
-    return logits.index_put((rows,), masked)
+    if banned.shape[1] < width:
+        banned = torch.nn.functional.pad(banned, (0, width - banned.shape[1]), value=True)
+    return logits.index_put((rows,), logits[rows].masked_fill_(banned[:, :width], float("-inf")))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
