@@ -5,9 +5,13 @@ vocabulary, as a padded one is."""
 
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 import llguidance
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from workers.modeling.default_model import build_byte_tokenizer
 from workers.serving.batch_sampler import BatchSampler
@@ -88,6 +92,32 @@ def test_a_schema_that_cannot_be_compiled_says_why_without_a_tokenizer(schema, s
         grammar_of(canonical_schema(schema))
     assert says in str(info.value) and info.value.param == "response_format"
     assert isinstance(info.value, InvalidRequest)  # the serving layer's 400
+
+
+def test_a_schema_no_document_satisfies_fails_its_compile_not_its_sequence(compiler):
+    """A `$ref` to itself passes the tokenizer-free check; the compile's first mask finds it."""
+    grammar_of(canonical_schema({"$ref": "#"}))
+    with pytest.raises(InvalidSchema, match="no document satisfies the JSON schema"):
+        compiler.compile(canonical_schema({"$ref": "#"})).result()
+
+
+def test_pydantic_discriminated_unions_compile():
+    """Pydantic writes them as oneOf, which is enforced as anyOf (their alternatives exclude each other)."""
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(BaseModel):
+        pet: Cat | Dog = Field(discriminator="kind")
+
+    schema = Pet.model_json_schema()
+    assert "oneOf" in json.dumps(schema)
+    grammar_of(canonical_schema(schema))
 
 
 def test_compiles_are_cached_by_schema_and_evicted_least_recent_first():

@@ -556,14 +556,15 @@ class LLMEngine:
             p = seq.params
             kept = None if p.logprobs is None else []  # the logprobs of its tokens, when it asked for them
             event = events.setdefault(seq.request_id, TokenEvent(seq.request_id, [], logprobs=kept))
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                self._retire(seq, "stop", event)
-                continue
-            if seq.grammar is not None and not seq.grammar.accept(token):  # its mask allowed nothing
+            # first: a grammar that failed (a limit of llguidance's hit mid-way) allows only EOS
+            if seq.grammar is not None and not seq.grammar.accept(token):
                 self._retire(seq, "error", event)
                 event.error = InvalidSchema(
                     f"the JSON schema's grammar failed after {len(seq.output_ids)} tokens: {seq.grammar.error}"
                 )
+                continue
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                self._retire(seq, "stop", event)
                 continue
             seq.output_ids.append(token)
             event.token_ids.append(token)

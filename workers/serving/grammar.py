@@ -26,7 +26,9 @@ import torch
 
 from workers.serving.sampling import InvalidRequest
 
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# compact JSON; oneOf (Pydantic's discriminated unions) enforced as anyOf: a document that matches
+# two alternatives is not refused
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
 JSON_OBJECT = '{"type":"object"}'  # what `response_format: {"type": "json_object"}` asks for
 CACHE_SIZE = 256  # compiled schemas kept per engine
 PARALLEL_MIN_ROWS = 8  # below this, or on a host of few cores, masks are filled one row after another
@@ -50,11 +52,16 @@ def grammar_of(schema: str) -> str:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
-        raise InvalidSchema(f"the schema is not a JSON object: {e}") from e
+        raise InvalidSchema(f"the JSON schema cannot be read: {e}") from e
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise InvalidSchema(f"the JSON schema cannot be compiled: {error}")
     return grammar
+
+
+def reason(matcher: llguidance.LLMatcher) -> str:
+    """Why a matcher failed: the first line of its error (the rest is its parser's state)."""
+    return matcher.get_error().split("\n", 1)[0]
 
 
 class Grammar:
@@ -82,7 +89,7 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error().split("\n", 1)[0]
+        return reason(self.matcher)
 
 
 class GrammarCompiler:
@@ -121,9 +128,16 @@ class GrammarCompiler:
         return future
 
     def _compile(self, schema: str) -> llguidance.LLMatcher:
+        """The matcher, its first mask computed on a copy: a schema no document satisfies (a `$ref`
+        to itself) fails there, here rather than in a sequence, and the first mask's lazy set-up is
+        done off the step loop."""
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar_of(schema), log_level=0)
         if matcher.is_error():
-            raise InvalidSchema(f"the JSON schema cannot be compiled: {matcher.get_error()}")
+            raise InvalidSchema(f"the JSON schema cannot be compiled: {reason(matcher)}")
+        probe, row = matcher.deep_copy(), torch.empty(self.mask_words, dtype=torch.int32)  # row: alive while written
+        probe.unsafe_compute_mask_ptr(row.data_ptr(), self.mask_words * 4)
+        if probe.is_error():
+            raise InvalidSchema(f"no document satisfies the JSON schema ({reason(probe)})")
         return matcher
 
     def tokenizer(self) -> llguidance.LLTokenizer:
