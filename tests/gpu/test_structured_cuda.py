@@ -5,7 +5,6 @@ rows what the CPU draws for them (tiny default model, fp32)."""
 
 import json
 
-import jsonschema
 import pytest
 import torch
 
@@ -50,7 +49,8 @@ def test_a_mixed_batch_replays_its_graph_and_leaves_free_rows_unchanged(tmp_path
     on_cpu, _, _ = run("cpu", requests(True))
     for i, ((ids, reason), (free_ids, free_reason)) in enumerate(zip(mixed, free)):
         if i % 2:
-            jsonschema.validate(json.loads(tokenizer.decode(ids)), SCHEMA)
+            document = json.loads(tokenizer.decode(ids))
+            assert set(document) == {"kind", "n"} and document["kind"] in ("cat", "dog") and 0 <= document["n"] <= 99
             assert reason == "stop"
         else:
             assert (ids, reason) == (free_ids, free_reason)

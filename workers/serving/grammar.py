@@ -16,6 +16,7 @@ grammar may end, and a sequence whose grammar cannot go on ends there (finish re
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import threading
@@ -46,9 +47,10 @@ def canonical_schema(schema: dict) -> str:
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)  # a failure is not cached: raised again each time
 def grammar_of(schema: str) -> str:
     """The llguidance grammar of a canonical schema; InvalidSchema says why there is none. Needs no
-    tokenizer, so the ingress refuses a bad schema before any replica sees it."""
+    tokenizer, so the ingress refuses a bad schema before any replica sees it (once per schema)."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
