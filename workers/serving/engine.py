@@ -466,16 +466,21 @@ class LLMEngine:
                 continue
             del self._compiling[request_id]
             try:
-                seq.grammar = self.grammars.grammar(future.result())
-                seq.grammar.replay(seq.output_ids)
-                self._queue(seq)
-            except (InvalidRequest, QueueFull) as e:
-                seq.finish_reason = "error"
-                events[request_id] = TokenEvent(request_id, [], "error", e)
-            except Exception as e:  # whatever the grammar engine raised: the schema is what it could not take
-                seq.finish_reason = "error"
+                compiled = future.result()
+            except InvalidRequest as e:
+                error = e
+            except Exception as e:  # whatever else the grammar engine raised: the schema is what it could not take
                 error = InvalidSchema(f"the JSON schema could not be compiled: {type(e).__name__}: {e}")
-                events[request_id] = TokenEvent(request_id, [], "error", error)
+            else:
+                try:
+                    seq.grammar = self.grammars.grammar(compiled)
+                    seq.grammar.replay(seq.output_ids)
+                    self._queue(seq)
+                    continue
+                except (InvalidRequest, QueueFull) as e:
+                    error = e
+            seq.finish_reason = "error"
+            events[request_id] = TokenEvent(request_id, [], "error", error)
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
