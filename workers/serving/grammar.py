@@ -10,7 +10,7 @@ engine (failover) replays the tokens its client already has into its copy first.
 
 JSON is written compactly, as `json.dumps` does (`", "` and `": "`, no other whitespace): a small
 model given free whitespace may never leave it. End-of-sequence tokens are allowed only where the
-grammar may end, and a sequence whose grammar cannot go on ends there (finish reason `stop`).
+grammar may end, and a sequence whose grammar is complete ends there (finish reason `stop`).
 """
 
 from __future__ import annotations
