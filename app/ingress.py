@@ -316,7 +316,7 @@ class Ingress:
         first = await anext(items)
         if isinstance(first, Failure):
             await items.aclose()
-            return error_response(first.status, first.error, headers=RETRY_AFTER if first.status == 503 else None)
+            return error_response(first.status, first.error, first.param, RETRY_AFTER if first.status == 503 else None)
         shape = ResponseShape(chat, req.model, req.n, sampling.logprobs is not None)
         seed = {SEED_HEADER: str(first.seed)}
         if req.stream:
@@ -437,7 +437,7 @@ class Ingress:
         tail, started, ended, completion_tokens, cached = b"", set(), set(), {}, {}
         async for item in _chain_items(first, items):
             if isinstance(item, Failure):
-                yield _sse(error_body(item.status, item.error)) + _sse("[DONE]")
+                yield _sse(error_body(item.status, item.error, item.param)) + _sse("[DONE]")
                 return
             index = item.index
             completion_tokens[index] = item.completion_tokens
@@ -464,7 +464,7 @@ class Ingress:
         choices = [Choice() for _ in range(shape.n)]
         async for item in _chain_items(first, items):
             if isinstance(item, Failure):
-                return error_response(item.status, item.error, headers=RETRY_AFTER)
+                return error_response(item.status, item.error, item.param, RETRY_AFTER if item.status == 503 else None)
             choices[item.index].add(item)
         if any(c.finish_reason is None for c in choices):
             return error_response(_REPLICA_GONE.status, _REPLICA_GONE.error, headers=RETRY_AFTER)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible request schemas, error bodies and response shapes.
 
 Requests are validated strictly: unknown fields and values we cannot honour (n > 16, tools, a JSON
-response format, ...) are a 400 naming the field, never silently ignored, and every field
-takes only its own JSON type (no "1.5" for a number, no true for 1, no number for a string). Fields
+schema the grammar engine cannot compile, ...) are a 400 naming the field, never silently ignored,
+and every field takes only its own JSON type (no "1.5" for a number, no true for 1, no number for a string). Fields
 that do not change what is generated (store, metadata, user, service_tier, parallel_tool_calls) are
 accepted and have no effect.
 """
@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from workers.protocol import ChoiceChunk, LogprobItem
+from workers.serving.grammar import JSON_OBJECT, InvalidSchema, canonical_schema, grammar_of
 from workers.serving.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 STOP_MAX_CHARS = 512  # the longest stop string accepted (characters); docs/api.md says so
@@ -73,6 +74,35 @@ class StreamOptions(BaseModel):
 TOP_K_NO_LIMIT = 2**63 - 1  # a top_k of the vocabulary's size or more keeps every token: this one too
 
 
+class TextFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's json_schema: `strict` is accepted and the schema is always enforced."""
+
+    model_config = STRICT
+    name: StrictStr = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: StrictStr | None = None
+    schema_: dict[StrictStr, Any] = Field(default_factory=dict, alias="schema")  # absent: any JSON value
+    strict: StrictBool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -94,6 +124,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension (HF semantics)
     logit_bias: dict[StrictStr, StrictFloat] | None = None
+    response_format: ResponseFormat | None = None  # for completions too, as vLLM
     # accepted, and they change nothing that is generated
     store: StrictBool | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
@@ -123,6 +154,23 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         return v
 
+    @field_validator("response_format")
+    @classmethod
+    def _compilable(cls, v: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> Any:
+        """A schema the grammar engine cannot compile is refused here, before any replica sees it."""
+        if isinstance(v, JsonSchemaFormat):
+            try:
+                grammar_of(canonical_schema(v.json_schema.schema_))
+            except InvalidSchema as e:
+                raise PydanticCustomError("invalid_schema", str(e)) from e
+        return v
+
+    def json_schema(self) -> str | None:
+        """The canonical schema the completion must satisfy (response_format), or None."""
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return canonical_schema(self.response_format.json_schema.schema_)
+        return JSON_OBJECT if isinstance(self.response_format, JsonObjectFormat) else None
+
     def requested_max_tokens(self) -> int | None:
         """max_tokens as asked; None = the endpoint's default, which the replica fits to the room
         the prompt leaves."""
@@ -146,6 +194,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             logprobs=self.logprob_count(),
+            json_schema=self.json_schema(),
         )
 
 
@@ -194,17 +243,11 @@ class ChatMessage(BaseModel):
         return {**out, "name": self.name} if self.name is not None else out
 
 
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]  # json_object and json_schema would need constrained decoding: refused
-
-
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     parallel_tool_calls: StrictBool | None = None  # meaningless without tools, which are refused
     tools: None = None
     tool_choice: None = None
@@ -214,16 +257,6 @@ class ChatRequest(SamplingFields):
     def _no_tools(cls, v: Any) -> None:
         if v is not None:
             raise ValueError("tool calling is not supported")
-        return v
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _text_format(cls, v: Any) -> Any:
-        if isinstance(v, dict) and v.get("type") != "text":
-            raise ValueError(
-                f"response_format {v.get('type')!r} is not supported (it needs constrained decoding); "
-                'only {"type": "text"}'
-            )
         return v
 
     @field_validator("top_logprobs")

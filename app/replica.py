@@ -408,7 +408,7 @@ class LLMReplica:
                 streams = await self._first_events(prompt_ids, params, choice_ids, tenant, request.adapter, resume)
             except InvalidRequest as e:
                 outcome = "invalid"
-                yield Failure(str(e), 400)
+                yield Failure(str(e), 400, param=e.param)
                 return
             except (QueueFull, EngineDeadError) as e:
                 outcome = "unavailable"
@@ -453,6 +453,9 @@ class LLMReplica:
                 outcome = "engine_failed"
                 log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)
                 yield self._failure("the engine failed while generating this completion; retry the request", e)
+            except InvalidRequest as e:  # a schema's grammar that could not go on: the request's own fault
+                outcome = "invalid"
+                yield Failure(str(e), 400, param=e.param)
         finally:
             for choice_id in choice_ids:
                 self.tenant_of.pop(choice_id, None)

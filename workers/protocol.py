@@ -84,11 +84,13 @@ class ChoiceChunk(msgspec.Struct, frozen=True, array_like=True, tag=True):
 
 
 class Failure(msgspec.Struct, frozen=True, array_like=True, tag=True):
-    """Why a request ends here: its HTTP status, whether it may go on on another replica (`retry`:
-    the replica or its engine failed), and whether it was turned away by a swapping replica."""
+    """Why a request ends here: its HTTP status (and the field at fault), whether it may go on on
+    another replica (`retry`: the replica or its engine failed), and whether it was turned away by a
+    swapping replica."""
 
     error: str
     status: int
+    param: str | None = None  # the request field at fault, for OpenAI's error JSON
     retry: bool = False
     replica_id: str | None = None
     swapping: bool = False

@@ -1,7 +1,7 @@
 """Nothing a client sends may produce a 5xx (issue 12): raw bodies that json.loads would accept but no
 tokenizer can take (lone UTF-16 surrogates), non-finite numbers, numbers sent as strings, a stop string
-over the cap and a chat template that refuses the conversation are each a 400 in OpenAI's error shape,
-and the server goes on serving.
+over the cap, a chat template that refuses the conversation and a response_format schema that cannot
+be compiled are each a 400 in OpenAI's error shape, and the server goes on serving.
 
 One Ray instance for the module, serving the tiny model from a checkpoint of its own whose chat
 template, like Llama 2's or Mistral's, raises unless roles alternate user/assistant.
@@ -46,6 +46,7 @@ def client(server):
 
 M = json.dumps(MODEL)
 USER_HI = '[{"role": "user", "content": "hi"}]'
+SCHEMA = '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '  # + schema + "}}"
 # (case id, endpoint, raw body with {m} for the model, words the error message must contain). Raw text:
 # json.dumps would escape what these send, or refuse to write it (NaN with allow_nan=False).
 RAW_BODIES = [
@@ -74,6 +75,15 @@ RAW_BODIES = [
      '{"model": {m}, "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}', [ALTERNATE]),
     ("roles-not-alternating-streamed", "chat",
      '{"model": {m}, "stream": true, "messages": [{"role": "assistant", "content": "a"}]}', ["alternate"]),
+    ("schema-unknown-format", "chat", '{"model": {m}, "messages": ' + USER_HI + ', ' + SCHEMA +
+     '{"type": "string", "format": "bogus"}}}}', ["response_format", "Unknown format: bogus"]),
+    ("schema-unsatisfiable", "completions", '{"model": {m}, "prompt": "hi", ' + SCHEMA +
+     '{"type": "integer", "minimum": 3, "maximum": 1}}}}', ["response_format", "minimum (3)"]),
+    # passes the ingress's tokenizer-free check; the replica's compile finds that no document fits
+    ("schema-self-reference-streamed", "chat", '{"model": {m}, "stream": true, "messages": ' + USER_HI + ', ' +
+     SCHEMA + '{"$ref": "#"}}}}', ["no document satisfies"]),
+    ("response-format-type", "completions", '{"model": {m}, "prompt": "hi", "response_format": {"type": "regex"}}',
+     ["response_format", "json_schema"]),
 ]  # fmt: skip
 
 
@@ -86,6 +96,8 @@ def test_bad_input_is_400_and_the_server_goes_on(server, endpoint, raw, needles)
     r = server.http.post(path, content=raw.replace("{m}", M).encode(), headers=headers)
     error = assert_openai_error(r, 400, *needles)
     assert error["type"] == "invalid_request_error"
+    if "response_format" in raw:
+        assert error["param"] == "response_format", error
     after = server.complete(max_tokens=2)
     assert after.status_code == 200, after.text
 

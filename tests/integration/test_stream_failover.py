@@ -4,7 +4,8 @@ whose text, finish reason and usage equal a reference run of the same requests o
 without the kill: greedy and seeded streams, a stream with a stop string, non-streamed requests,
 requests for several choices (streamed and not; each unfinished choice goes on by itself), and an
 unseeded sampled stream through a LoRA adapter (its drawn seed and its adapter carry over to the
-other replica; sent back as `seed`, the seed it reports samples the same completion again).
+other replica; sent back as `seed`, the seed it reports samples the same completion again), and
+streams under a JSON schema (their continuations replay the tokens sent into their grammar).
 
 The OpenAI API returns text, not token ids: with the tiny model's byte-level tokenizer every token is
 one byte of the text, so a continuation that drew one token differently would show in the text (and
@@ -33,6 +34,7 @@ MAX_TOKENS = 256  # long enough that the kill, sent once every stream has text, 
 STREAMS = 16  # greedy and seeded streams, besides the requests below
 CHOICE_REQUESTS = 4  # seeded, n = 3, streamed and not
 UNSEEDED = "unseeded-adapter"  # the one request of tenant-b: the victim's counts show it was hit
+WORDS = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 60}  # longer than MAX_TOKENS
 
 
 def requests(stop: str | None = None) -> dict[str, dict]:
@@ -52,6 +54,10 @@ def requests(stop: str | None = None) -> dict[str, dict]:
             "temperature": 0.9,
             "seed": 300 + i,
         }
+    schema = {"type": "json_schema", "json_schema": {"name": "words", "schema": WORDS}}
+    for i, n in enumerate((1, 2)):
+        sampling = {"temperature": 0.9, "seed": 400 + i, "n": n}
+        bodies[f"schema-{n}"] = {"prompt": f"Words {i}:", "stream": True, "response_format": schema, **sampling}
     bodies[UNSEEDED] = {
         "model": ADAPTER,
         "prompt": "Unseeded",
@@ -196,6 +202,7 @@ def test_streams_continue_on_the_other_replica_when_an_engine_dies(server):
     bodies = requests()
     del bodies[UNSEEDED]  # its seed is drawn anew each time: checked against itself below
     reference = {name: c.result() for name, c in finish(run_all(server, bodies)).items()}
+    assert all(text.startswith('["') for text in (reference["schema-1"][0], *reference["schema-2"][0]))
     text0 = reference["greedy-0"][0]
     stop = next(
         text0[i : i + 4]

@@ -54,9 +54,9 @@ def load_tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
 
 
 def new_engine(tiny: Tiny, **config) -> LLMEngine:
-    """A fresh engine (own KV cache, scheduler and stats) over the shared model."""
+    """A fresh engine (own KV cache, scheduler, stats and grammar cache) over the shared model."""
     cfg = EngineConfig(max_model_len=tiny.max_model_len, device="cpu", **config)
-    return LLMEngine(tiny.model, cfg, tiny.eos_token_ids)
+    return LLMEngine(tiny.model, cfg, tiny.eos_token_ids, tokenizer=tiny.tokenizer)
 
 
 def run_alone(tiny: Tiny, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:

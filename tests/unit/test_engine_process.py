@@ -22,6 +22,7 @@ from workers.protocol import Coalescing
 from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig
 from workers.serving.engine_process import EngineProcess
+from workers.serving.grammar import InvalidSchema, canonical_schema
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,6 +116,21 @@ async def test_penalties_and_logprobs_cross_the_pipe(tiny, shared):
     for got, want in zip(logprobs, local):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
         assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
+async def test_a_schema_is_compiled_and_followed_in_the_child_and_its_refusal_crosses_back(tiny, shared):
+    """The child compiles a response_format's schema against its own tokenizer: the request draws
+    there what it draws in this process, and a schema it cannot compile comes back as the
+    InvalidSchema (naming response_format) the replica answers 400 with."""
+    schema = canonical_schema({"type": "array", "items": {"enum": ["ab", "c"]}, "maxItems": 4})
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, json_schema=schema)
+    ids, text, reason, _ = await asyncio.wait_for(drain(shared.submit([BOS, 5, 6], params)), 30)
+    assert (ids, reason) == run_alone(tiny, [BOS, 5, 6], params) and reason == "stop"
+    assert text.startswith("[") and text.endswith("]")
+    refused = SamplingParams(json_schema='{"type":"strin"}')
+    with pytest.raises(InvalidSchema, match="strin") as info:
+        await asyncio.wait_for(drain(shared.submit([BOS, 5, 6], refused)), 30)
+    assert info.value.param == "response_format"
 
 
 async def test_status_comes_from_the_child(shared):

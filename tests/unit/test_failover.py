@@ -33,6 +33,7 @@ from workers.protocol import (
 )
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
+from workers.serving.grammar import canonical_schema
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,6 +131,12 @@ CASES = {
     "greedy": SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True),
     "unseeded": SamplingParams(max_tokens=40, temperature=1.2, top_k=40, ignore_eos=True),
+    "schema": SamplingParams(  # its grammar replays the tokens sent
+        max_tokens=40,
+        temperature=1.0,
+        seed=5,
+        json_schema=canonical_schema({"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 20}),
+    ),
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from app.ingress import _json_body, api
+from app.ingress import _json_body, _validation_message, api
 from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape
 from workers.protocol import ChoiceChunk, LogprobItem
 from workers.serving.detokenizer import DetokState
@@ -224,7 +224,7 @@ def test_what_common_clients_send_is_served():
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "text"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling is not supported"),
         ({"tool_choice": "auto"}, "tool_choice", "tool calling is not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+        ({"response_format": {"type": "regex"}}, "response_format", "'text', 'json_object', 'json_schema'"),
         ({"metadata": {"k": 1}}, "metadata", "string"),
     ],
 )
@@ -236,6 +236,61 @@ def test_what_would_change_the_meaning_of_a_request_is_refused_naming_it(changes
 
 
 # -- n, penalties, logit_bias, logprobs ------------------------------------------------------------
+
+
+# -- response_format -----------------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("schema", [ChatRequest, CompletionRequest])
+def test_response_formats_reach_the_sampling_fields_as_one_canonical_schema(schema):
+    """Both endpoints take it (completions as vLLM does); the schema crosses as compact JSON in its
+    own key order, json_object as any object, text as nothing."""
+    body = CHAT if schema is ChatRequest else COMPLETION
+    spec = {"name": "Person", "schema": PERSON, "strict": True, "description": "who"}
+    formats = {
+        None: None,
+        "text": None,
+        "json_object": '{"type":"object"}',
+        "json_schema": json.dumps(PERSON, separators=(",", ":")),
+    }
+    for kind, expected in formats.items():
+        fmt = None if kind is None else {"type": kind, **({"json_schema": spec} if kind == "json_schema" else {})}
+        req = schema.model_validate({**body, **({"response_format": fmt} if fmt else {})})
+        assert req.sampling().json_schema == expected
+
+
+@pytest.mark.parametrize(
+    ("fmt", "param", "says"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"name": "P", "schema": {"type": "strin"}}},
+            "response_format",
+            "strin",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "P", "schema": {"type": "string", "format": "bogus"}}},
+            "response_format",
+            "Unknown format: bogus",
+        ),
+        ({"type": "grammar"}, "response_format", "'text', 'json_object', 'json_schema'"),
+        ({"type": "json_schema"}, "response_format.json_schema.json_schema", "Field required"),
+        ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "response_format.json_schema", "name"),
+        ({"type": "json_schema", "json_schema": {"name": "P", "schema": [1]}}, "response_format.json_schema", "dict"),
+        ({"type": "json_object", "schema": {}}, "response_format.json_object.schema", "Extra inputs"),
+    ],
+)
+def test_a_response_format_that_cannot_be_served_is_a_400_naming_it(fmt, param, says):
+    with pytest.raises(ValidationError) as info:
+        ChatRequest.model_validate({**CHAT, "response_format": fmt})
+    message, field = _validation_message(info.value)
+    assert field.startswith(param) and says in message, (message, field)
 
 
 def test_penalties_bias_and_logprobs_reach_the_sampling_fields():

@@ -61,7 +61,7 @@ def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
             except Exception as e:
                 done.set_exception(e)
         case Deny(request_id, reason):
-            seq = engine.scheduler.find(request_id)
+            seq = engine.find(request_id)
             if seq is not None:
                 seq.graph_denial = reason
         case Abort(request_id, reason) if engine.abort(request_id, reason):

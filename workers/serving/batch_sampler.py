@@ -1,23 +1,31 @@
-"""The engine's sampler over a batch of sequences: penalties and logit_bias on the step's logits,
-the draw (`sampling.sample`), then the logprobs asked for, all outside the captured step.
+"""The engine's sampler over a batch of sequences: penalties, logit_bias and the grammar masks of
+structured outputs on the step's logits, the draw (`sampling.sample`), then the logprobs asked for,
+all outside the captured step.
 
 Penalties need each sequence's token history, kept on the device with one row per sequence slot:
 the counts of its generated tokens and a mask of its prompt's tokens. A row is filled when its
 sequence is prefilled (again after a preemption, from its prompt and output so far) and each step's
 drawn tokens are added by one scatter on the device, so no history crosses to the host per step.
-Each part runs only when some row of the batch asks for it: a batch without penalties, logit_bias
-or logprobs costs what sampling alone does.
+Each part runs only when some row of the batch asks for it: a batch without penalties, logit_bias,
+a schema or logprobs costs what sampling alone does.
+
+A row with a grammar (`grammar.py`) draws only what it allows: its token bitmask is filled on the
+host first, while the device may still be running the replayed step (every later part waits for
+it), then copied over and applied after logit_bias, so the logprobs reported are those of the
+constrained distribution. Free rows of the batch are not touched.
 """
 
 from __future__ import annotations
 
 import torch
 
+from workers.serving.grammar import MaskFiller
 from workers.serving.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
     TokenLogprob,
     apply_penalties,
+    apply_token_bitmask,
     sample,
     token_logprobs,
 )
@@ -41,6 +49,8 @@ class BatchSampler:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.counts = torch.zeros(num_slots, vocab_size, device=device)  # fp32 counts: exact far past any length
         self.in_prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self.masks = MaskFiller()
+        self._bitmask: torch.Tensor | None = None  # the host's token bitmasks, one row per constrained row
 
     @staticmethod
     def history_bytes(num_slots: int, vocab_size: int) -> int:
@@ -66,6 +76,7 @@ class BatchSampler:
         """One token per sequence, and each token's logprobs for the rows that asked (None where none
         did). Logprobs are of the logits as penalties and logit_bias left them, before temperature."""
         params = [s.params for s in seqs]
+        masks = self._grammar_masks(seqs, logits.device)  # first: the host works while the device runs the step
         logits = logits.float()
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:  # their rows and slots
@@ -73,12 +84,29 @@ class BatchSampler:
             logits = self._penalize(logits, index, [params[i] for i in penalized])
         if any(p.logit_bias for p in params):
             logits = self._bias(logits, params)
+        if masks is not None:
+            logits = apply_token_bitmask(logits, *masks)
         tokens = sample(logits, params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
         if penalized:
             self._record(index, tokens)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = self._logprobs(logits, tokens, params, wanted) if wanted else None
         return tokens.tolist(), logprobs
+
+    def _grammar_masks(self, seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        """(rows, their token bitmasks on the device) of the rows with a grammar; None without any."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return None
+        grammars = [seqs[i].grammar for i in rows]
+        words = grammars[0].words
+        if self._bitmask is None or self._bitmask.shape[1] != words:
+            slots = self.counts.shape[0]
+            self._bitmask = torch.empty(slots, words, dtype=torch.int32, pin_memory=device.type == "cuda")
+        host = self._bitmask[: len(rows)]
+        self.masks.fill(grammars, host)
+        # pinned: the copy runs behind the step; the buffer is filled again only after this step's tokens are read
+        return torch.tensor(rows, device=device), host.to(device, non_blocking=True)
 
     def probe(self, rows: int) -> list[Sequence]:
         """Sequences in slots 0 to rows - 1 asking for every part, their history loaded (the next

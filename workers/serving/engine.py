@@ -4,6 +4,7 @@ from a process of its own (`engine_process.py`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -29,8 +30,9 @@ from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.modeling.lora import AdapterError, LoraLimits, load_adapter
 from workers.modeling.model import LlamaModel
 from workers.serving.batch_sampler import BatchSampler
-from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, sample
-from workers.serving.scheduler import Scheduler, Sequence, new_sequence
+from workers.serving.grammar import GrammarCompiler, InvalidSchema
+from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, apply_token_bitmask, sample
+from workers.serving.scheduler import QueueFull, Scheduler, Sequence, new_sequence
 from workers.serving.startup import StartupClock
 from workers.serving.stats import CallTimer, EngineStats
 from workers.serving.step_inputs import DecodeInputs, PrefillInputs
@@ -39,6 +41,7 @@ from workers.tensor_parallel.tp import AGREE, DECODE, EAGER, LORA_LOAD, NOOP, PR
 
 log = logging.getLogger(__name__)
 MB = 1 << 20
+COMPILE_WAIT_S = 0.01  # with nothing but grammars compiling, a step waits this long for one (no spinning)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,11 @@ def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | No
     return model, tokenizer, eos_ids(cfg, tokenizer), config.model_revision or model_revision(model_dir)
 
 
+def grammar_compiler(tokenizer, eos_token_ids: set[int], vocab_size: int) -> GrammarCompiler | None:
+    """The compiler of response_format schemas for this tokenizer (none without one)."""
+    return None if tokenizer is None else GrammarCompiler(tokenizer, tuple(sorted(eos_token_ids)), vocab_size)
+
+
 def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
     """The checkpoint's end-of-sequence ids: its config's and its tokenizer's."""
     eos = set(cfg.eos_token_ids)
@@ -172,7 +180,8 @@ def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
 class LLMEngine:
     """Construction takes the engine through MODEL_LOADED -> EAGER_WARMED -> GRAPH_CAPTURED -> READY:
     by the time it returns, every graph the policy allows is captured and verified. With tensor
-    parallelism this is rank 0: `channel` hands each model call's inputs to the other ranks.
+    parallelism this is rank 0: `channel` hands each model call's inputs to the other ranks. The
+    tokenizer is what response_format schemas compile against; without it they are refused.
     `load_s`: how long reading the model took, the first phase of the start (`startup.py`)."""
 
     def __init__(
@@ -183,6 +192,7 @@ class LLMEngine:
         revision: str = "random",
         channel: StepChannel | None = None,
         load_s: float = 0.0,
+        tokenizer=None,
     ) -> None:
         clock = StartupClock(load_s)
         self.model = model
@@ -211,6 +221,8 @@ class LLMEngine:
         self._adapter_loads = 0  # adapters loaded into slots so far: each load's generation
         self._slot_generation: dict[int, int] = {}  # slot -> the generation of the load it holds
         self._refused: list[TokenEvent] = []  # requests whose adapter failed to load at admission
+        self.grammars = grammar_compiler(tokenizer, self.eos_token_ids, model.cfg.vocab_size)
+        self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # waiting for their grammar
         self.channel = channel
         try:
             self.runners.prepare(on_state=self._set_state)
@@ -258,13 +270,15 @@ class LLMEngine:
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
             sample(logits, [params] * rows, [0] * rows, [0] * rows).tolist()
         self.sampler.sample(logits[:1], self.sampler.probe(1))
+        everything = torch.full((1, (logits.shape[1] + 31) // 32), -1, dtype=torch.int32, device=self.device)
+        apply_token_bitmask(logits[:1].float(), torch.zeros(1, dtype=torch.long, device=self.device), everything)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> tuple[LLMEngine, object]:
         """Load the checkpoint named by the config (or the default); returns (engine, tokenizer)."""
         t0 = time.perf_counter()
         model, tokenizer, eos, revision = load_for_engine(config, resolve_device(config.device))
-        return cls(model, config, eos, revision, load_s=time.perf_counter() - t0), tokenizer
+        return cls(model, config, eos, revision, tokenizer=tokenizer, load_s=time.perf_counter() - t0), tokenizer
 
     def status(self) -> EngineStatus:
         """What operators see per replica: state, revision, backend, buckets, counters."""
@@ -350,9 +364,20 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request. One with a LoRA adapter gets its slot now when one is free (loading and
         verifying the adapter if no slot holds it: a refusal is this request's InvalidRequest),
-        else when it reaches the head of the queue."""
+        else when it reaches the head of the queue. One with a response_format waits apart until
+        its grammar is compiled (in a thread; the others decode meanwhile), then is queued."""
         if seq.adapter is not None and self.adapter_slots is None:
             raise InvalidRequest(f"adapter {seq.adapter[0]!r}: LoRA is not enabled on this server (lora: unset)")
+        if seq.params.json_schema is None:
+            self._queue(seq)
+            return
+        if self.grammars is None:
+            raise InvalidSchema("this engine was started without its tokenizer: it cannot compile a schema")
+        if self.find(seq.request_id) is not None:
+            raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
+        self._compiling[seq.request_id] = (seq, self.grammars.compile(seq.params.json_schema))
+
+    def _queue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         if seq.adapter is not None:
             try:
@@ -448,6 +473,11 @@ class LLMEngine:
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request from outside the step loop: `abort` (its client left) or `stop` (a stop
         string found in its detokenized text)."""
+        parked = self._compiling.pop(request_id, None)
+        if parked is not None:
+            parked[0].finish_reason = reason
+            self.stats.record_finish(reason, None, None)
+            return True
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
@@ -456,12 +486,48 @@ class LLMEngine:
         self.stats.record_finish(reason, None, None)
         return True
 
+    def find(self, request_id: str) -> Sequence | None:
+        """A request not finished yet: queued, running, or waiting for its grammar."""
+        parked = self._compiling.get(request_id)
+        return parked[0] if parked is not None else self.scheduler.find(request_id)
+
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
+
+    def _take_compiled(self, events: dict[str, TokenEvent]) -> None:
+        """Queue the requests whose grammar is ready (a continuation's replays the tokens its client
+        has); one whose schema did not compile ends with that error, its 400."""
+        if not self.scheduler.num_unfinished:  # nothing else to do: wait for a compile rather than spin
+            futures = [future for _, future in self._compiling.values()]
+            done, _ = concurrent.futures.wait(futures, COMPILE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+            if not done:
+                self.heartbeat()
+        for request_id, (seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                compiled = future.result()
+            except InvalidRequest as e:
+                error = e
+            except Exception as e:  # whatever else the grammar engine raised: the schema is what it could not take
+                error = InvalidSchema(f"the JSON schema could not be compiled: {type(e).__name__}: {e}")
+            else:
+                try:
+                    seq.grammar = self.grammars.grammar(compiled)
+                    seq.grammar.replay(seq.output_ids)
+                    self._queue(seq)
+                    continue
+                except (InvalidRequest, QueueFull) as e:
+                    error = e
+            seq.finish_reason = "error"
+            events[request_id] = TokenEvent(request_id, [], "error", error)
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
         events: dict[str, TokenEvent] = {}
+        if self._compiling:
+            self._take_compiled(events)
         admitted = self.scheduler.admit(self._admissible if self.adapter_slots else lambda seq: True)
         for refused in self._refused:
             events[refused.request_id] = refused
@@ -540,6 +606,13 @@ class LLMEngine:
             event = events.setdefault(
                 seq.request_id, TokenEvent(seq.request_id, [], logprobs=kept, cached_tokens=seq.cached_tokens)
             )
+            # first: a grammar that failed (a limit of llguidance's hit mid-way) allows only EOS
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                self._retire(seq, "error", event)
+                event.error = InvalidSchema(
+                    f"the JSON schema's grammar failed after {len(seq.output_ids)} tokens: {seq.grammar.error}"
+                )
+                continue
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 self._retire(seq, "stop", event)
                 continue
@@ -549,7 +622,9 @@ class LLMEngine:
                 event.logprobs.append(logprobs[i])
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
-            if len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
+            if seq.grammar is not None and seq.grammar.done:  # the document is complete
+                self._retire(seq, "stop", event)
+            elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
                 self._retire(seq, "length", event)
 
     def _retire(self, seq: Sequence, reason: str, event: TokenEvent) -> None:

@@ -28,7 +28,7 @@ from policies.dispatch import FallbackReason
 from workers.modeling.checkpoint import load_tokenizer, load_weights, model_revision
 from workers.modeling.config import load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
-from workers.serving.engine import EngineConfig, LLMEngine, eos_ids
+from workers.serving.engine import EngineConfig, LLMEngine, eos_ids, grammar_compiler
 from workers.serving.sampling import SamplingParams
 from workers.serving.stats import EngineStats
 from workers.serving.step_inputs import PrefillInputs
@@ -152,7 +152,7 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
     model_dir = resolve_model_dir(config.model)
     saved = [(p, p.data, p.data.to("cpu", copy=True)) for p in engine.model.parameters()]
     names = [name for name, _ in engine.model.named_parameters()]
-    old = engine.config, engine.revision, engine.eos_token_ids
+    old = engine.config, engine.revision, engine.eos_token_ids, engine.grammars
     engine.tell_followers(SWAP_LOAD, 0, list(str(model_dir).encode()))
     engine.clear_prefix_cache()  # K/V of the old weights: the gate's own prompts must not reuse them
     failure: BaseException | None = None
@@ -167,17 +167,20 @@ def swap_weights_in_place(engine: LLMEngine, config: EngineConfig):
         tokenizer = load_tokenizer(model_dir)
         engine.config, engine.revision = config, config.model_revision or model_revision(model_dir)
         engine.eos_token_ids = set(eos_ids(load_config(model_dir), tokenizer))
+        engine.grammars = grammar_compiler(tokenizer, engine.eos_token_ids, engine.model.cfg.vocab_size)
         report = run_gate(engine, tokenizer, config.gate_prompts_file)
     except Exception as e:
         failure = e
     ranks = engine.agree(None if failure is None else str(failure), ends_swap=True)
     if failure is None and not ranks:
         engine.forget_adapters()  # verified against the old weights: each loads and verifies again on use
+        if old[3] is not None:
+            old[3].close()
         return tokenizer, report
     restore_weights(saved)
     engine.cache.clear()  # what the failed model wrote (NaN, maybe) must not reach a later attention
     engine.clear_prefix_cache()  # and the pages cached meanwhile hold the failed model's K/V (or zeros now)
-    engine.config, engine.revision, engine.eos_token_ids = old
+    engine.config, engine.revision, engine.eos_token_ids, engine.grammars = old
     if failure is not None:
         raise failure
     raise GateFailed(f"the new weights failed on tensor-parallel rank(s) {ranks} (their logs say why)")

@@ -27,7 +27,9 @@ _GOLDEN = 0x9E3779B1
 
 
 class InvalidRequest(ValueError):
-    """A request that can never be served as asked (the serving layer's 400)."""
+    """A request that can never be served as asked (the serving layer's 400; `param` the field it names)."""
+
+    param: str | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's and vLLM's, over the prompt's and the generated tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None: none; k: the drawn token's logprob and the k most likely tokens'
+    json_schema: str | None = None  # response_format: the canonical JSON schema the text must satisfy
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -61,6 +64,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
         self._check_penalties()
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise InvalidRequest(f"json_schema must be a schema as JSON text, got {type(self.json_schema).__name__}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
@@ -151,6 +156,17 @@ def apply_penalties(
     rep = repetition[:, None]
     logits = torch.where(in_prompt | generated, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - frequency[:, None] * counts - presence[:, None] * generated
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with row rows[i]'s tokens outside bitmask i set to -inf (bit j of word w allows
+    token 32 * w + j; columns past the bitmask's are never allowed). Other rows are left as they are."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    banned = (((bitmask[:, :, None] >> shifts) & 1) == 0).flatten(1)
+    width = logits.shape[-1]
+    if banned.shape[1] < width:
+        banned = torch.nn.functional.pad(banned, (0, width - banned.shape[1]), value=True)
+    return logits.index_put((rows,), logits[rows].masked_fill_(banned[:, :width], float("-inf")))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

@@ -24,11 +24,15 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from policies.dispatch import FallbackReason
 from policies.kv_blocks import BlockManager
 from policies.prefix_hash import page_hashes
 from workers.serving.sampling import InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from workers.serving.grammar import Grammar
 
 
 class QueueFull(RuntimeError):
@@ -54,6 +58,7 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full pages so far
     prefill_start: int = 0  # positions its next prefill finds cached (it computes the rest)
     cached_tokens: int | None = None  # prompt tokens its first prefill found cached (usage)
+    grammar: Grammar | None = None  # its response_format's matcher, once compiled (`grammar.py`)
 
     @property
     def length(self) -> int:

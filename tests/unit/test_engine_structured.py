@@ -1,0 +1,192 @@
+"""response_format in the engine, on CPU with the tiny model (random weights, byte-level tokenizer):
+constrained sequences write JSON their schema accepts and end when it is complete, share batches
+with free ones without changing them, compile off the step loop, and a continuation replays the
+tokens already sent into its grammar."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import jsonschema
+import pytest
+
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
+from workers.serving.async_engine import AsyncEngine
+from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.grammar import GrammarCompiler, InvalidSchema, canonical_schema
+from workers.serving.sampling import InvalidRequest, SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+BOS = 256
+SCHEMA = {  # short enough for the tiny model's 64 positions: at most 37 bytes (one token each)
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["kind", "n", "ok"],
+    "additionalProperties": False,
+}
+SCHEMA_JSON = canonical_schema(SCHEMA)
+SAMPLING = [
+    dict(temperature=0.0),
+    dict(temperature=1.0, seed=1),
+    dict(temperature=0.9, top_p=0.8, seed=2),
+    dict(temperature=1.5, top_k=3, seed=3, presence_penalty=1.0),
+]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+def engine_for(tiny: Tiny, **config) -> LLMEngine:
+    return new_engine(tiny, **{"max_num_seqs": 8, **config})
+
+
+def prompt(seed: int, n: int = 6) -> list[int]:
+    rng = random.Random(seed)
+    return [BOS] + [rng.randrange(256) for _ in range(n - 1)]
+
+
+def constrained(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 50, "json_schema": SCHEMA_JSON, **kwargs})
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], output_ids=None):
+    seqs = [engine.add_request(p, params, output_ids=output_ids or ()) for p, params in requests]
+    events = []
+    for _ in range(500):
+        if not engine.has_work():
+            return seqs, events
+        events += engine.step()
+    pytest.fail("the engine does not finish")
+
+
+def text(tiny: Tiny, ids: list[int]) -> str:
+    return tiny.tokenizer.decode(ids)
+
+
+def test_constrained_requests_write_what_their_schema_accepts_and_stop_when_complete(tiny):
+    """Each sequence has a grammar state of its own: a request twice in one batch draws twice the
+    same (seeded, or greedy), the copies in step though they share one compiled grammar."""
+    engine = engine_for(tiny)
+    seqs, _ = run(engine, [(prompt(i % 4), constrained(**kw)) for i, kw in enumerate(SAMPLING * 2)])
+    for seq in seqs:
+        document = json.loads(text(tiny, seq.output_ids))
+        jsonschema.validate(document, SCHEMA)
+        assert seq.finish_reason == "stop" and not set(seq.output_ids) & set(tiny.eos_token_ids)
+    assert [s.output_ids for s in seqs[:4]] == [s.output_ids for s in seqs[4:]]
+    assert len({text(tiny, s.output_ids) for s in seqs[:4]}) > 1
+
+
+def test_free_requests_draw_the_same_beside_constrained_ones(tiny):
+    engine = engine_for(tiny)
+    free = [(prompt(10 + i), SamplingParams(max_tokens=12, ignore_eos=True, **kw)) for i, kw in enumerate(SAMPLING)]
+    mixed = [r for pair in zip(free, [(prompt(i), constrained(**kw)) for i, kw in enumerate(SAMPLING)]) for r in pair]
+    seqs, _ = run(engine, mixed)
+    for (p, params), seq in zip(free, seqs[::2]):
+        assert (seq.output_ids, seq.finish_reason) == run_alone(tiny, p, params)
+
+
+def test_a_constrained_request_draws_the_same_alone_batched_or_preempted(tiny):
+    requests = [(prompt(i, 12), constrained(**kw)) for i, kw in enumerate(SAMPLING)]
+    alone = [run(engine_for(tiny, max_num_seqs=1), [r])[0][0].output_ids for r in requests]
+    engine = engine_for(tiny, max_num_seqs=4, kv_page_size=8, kv_cache_tokens=120)
+    seqs, _ = run(engine, requests)
+    assert engine.status().kv_cache["preemptions"] > 0
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_a_continuation_replays_the_tokens_sent_and_draws_what_the_first_engine_would(tiny):
+    """Failover: another engine gets the prompt and the tokens its client has; the grammar state
+    replayed from them, the seeded draw goes on token for token as it would have."""
+    p, params = prompt(3), constrained(temperature=1.0, seed=42)
+    (whole,), _ = run(engine_for(tiny), [(p, params)])
+    for sent in (1, 9, len(whole.output_ids) - 1):
+        (resumed,), _ = run(engine_for(tiny), [(p, params)], output_ids=whole.output_ids[:sent])
+        assert (resumed.output_ids, resumed.finish_reason) == (whole.output_ids, "stop")
+    (refused,), events = run(engine_for(tiny), [(p, params)], output_ids=tiny.tokenizer("[1]")["input_ids"][1:])
+    assert refused.finish_reason == "error" and isinstance(events[0].error, InvalidRequest)
+    assert "do not fit its schema" in str(events[0].error)
+
+
+def test_eos_ends_a_constrained_request_only_where_its_grammar_may_end(tiny):
+    """A model that wants nothing but EOS: free, it ends at once; with a top-level integer schema
+    it must write a digit first, and may end after any."""
+    eos = tiny.eos_token_ids[0]
+    bias = ((eos, 100.0),)
+    engine = engine_for(tiny)
+    integer = canonical_schema({"type": "integer"})
+    free, number = run(
+        engine,
+        [
+            (prompt(1), SamplingParams(logit_bias=bias)),
+            (prompt(1), SamplingParams(logit_bias=bias, json_schema=integer)),
+        ],
+    )[0]
+    assert (free.output_ids, free.finish_reason) == ([], "stop")
+    assert len(number.output_ids) == 1 and text(tiny, number.output_ids).isdigit() and number.finish_reason == "stop"
+
+
+def test_max_tokens_cuts_a_constrained_request_with_length(tiny):
+    (seq,), _ = run(engine_for(tiny), [(prompt(2), constrained(max_tokens=5))])
+    assert len(seq.output_ids) == 5 and seq.finish_reason == "length"
+    assert text(tiny, seq.output_ids).startswith('{"')
+
+
+def test_a_schema_the_engine_cannot_compile_ends_its_request_with_that_error(tiny):
+    (seq,), events = run(engine_for(tiny), [(prompt(1), constrained(json_schema='{"type":"strin"}'))])
+    (event,) = events
+    assert seq.finish_reason == event.finish_reason == "error"
+    assert isinstance(event.error, InvalidSchema) and "strin" in str(event.error)
+    assert event.error.param == "response_format"
+
+
+def test_an_engine_without_its_tokenizer_refuses_a_schema(tiny):
+    engine = LLMEngine(tiny.model, EngineConfig(max_model_len=tiny.max_model_len, device="cpu"), tiny.eos_token_ids)
+    with pytest.raises(InvalidSchema, match="tokenizer"):
+        engine.add_request(prompt(1), constrained())
+
+
+def test_compiling_holds_up_only_its_own_request(tiny, monkeypatch):
+    """While a schema compiles (here: until the test lets it), the other requests are admitted and
+    decode; the waiting one can be cancelled; once compiled it runs like any other."""
+    release = threading.Event()
+    compile_now = GrammarCompiler._compile
+
+    def slow_compile(self, schema):
+        assert release.wait(10)
+        return compile_now(self, schema)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow_compile)
+    engine = engine_for(tiny)
+    waiting = engine.add_request(prompt(1), constrained())
+    cancelled = engine.add_request(prompt(2), constrained(temperature=1.0, seed=5))
+    free = engine.add_request(prompt(3), SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert (
+        len(free.output_ids) == 5 and not waiting.output_ids
+    )  # the first step prefills and decodes and engine.find(waiting.request_id) is waiting
+    assert engine.abort(cancelled.request_id) and cancelled.finish_reason == "abort"
+    release.set()
+    while engine.has_work():
+        engine.step()
+    assert free.finish_reason == "length" and waiting.finish_reason == "stop" and not cancelled.output_ids
+    jsonschema.validate(json.loads(text(tiny, waiting.output_ids)), SCHEMA)
+
+
+async def test_a_stream_of_a_schema_and_one_the_engine_refuses(tiny):
+    front = AsyncEngine(engine_for(tiny), tiny.tokenizer).start()
+    try:
+        chunks = [event.text async for event in front.submit(prompt(4), constrained(temperature=1.0, seed=9))]
+        jsonschema.validate(json.loads("".join(chunks)), SCHEMA)
+        with pytest.raises(InvalidSchema, match="strin"):
+            await anext(aiter(front.submit(prompt(4), constrained(json_schema='{"type":"strin"}'))))
+    finally:
+        front.shutdown()

@@ -1,0 +1,293 @@
+"""Structured outputs below the engine: schemas compiled into grammars (`workers/serving/grammar.py`)
+and the batch sampler applying their token masks. The byte-level tokenizer of the tiny model (one
+token per byte, then specials) makes every allowed token readable; the logits are wider than its
+vocabulary, as a padded one is."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import llguidance
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from workers.modeling.default_model import build_byte_tokenizer
+from workers.serving.batch_sampler import BatchSampler
+from workers.serving.grammar import (
+    JSON_OBJECT,
+    GrammarCompiler,
+    InvalidSchema,
+    MaskFiller,
+    canonical_schema,
+    grammar_of,
+)
+from workers.serving.sampling import LOGPROB_FLOOR, InvalidRequest, SamplingParams, apply_token_bitmask
+from workers.serving.scheduler import new_sequence
+
+TOKENIZER = build_byte_tokenizer()
+EOS = TOKENIZER.eos_token_id
+WIDTH = len(TOKENIZER) + 39  # the model's logits: a padded vocabulary
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "role": {"enum": ["admin", "user"]},
+        "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+    },
+    "required": ["name", "role", "tags"],
+    "additionalProperties": False,
+}
+DOCUMENT = '{"name": "Ada", "role": "admin", "tags": [1, 22]}'
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH)
+    yield compiler
+    compiler.close()
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER(text, add_special_tokens=False)["input_ids"]
+
+
+def allowed(grammar, filler: MaskFiller | None = None) -> set[int]:
+    bitmask = torch.zeros(1, grammar.words, dtype=torch.int32)
+    (filler or MaskFiller()).fill([grammar], bitmask)
+    logits = apply_token_bitmask(torch.zeros(1, WIDTH), torch.tensor([0]), bitmask)
+    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+
+
+def texts(tokens: set[int]) -> set[str]:
+    return {TOKENIZER.decode([t]) for t in tokens}
+
+
+def person(compiler):
+    return compiler.grammar(compiler.compile(canonical_schema(PERSON)).result())
+
+
+# -- schemas and the compile cache ---------------------------------------------------------------
+
+
+def test_the_canonical_schema_is_compact_and_keeps_key_order():
+    """Property order is the order the object is written in: it is part of the key."""
+    assert canonical_schema({"b": 1, "a": [1, 2]}) == '{"b":1,"a":[1,2]}'
+    assert canonical_schema({"a": 1, "b": 2}) != canonical_schema({"b": 2, "a": 1})
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"type": "strin"}, "strin"),
+        ({"type": "string", "format": "bogus"}, "Unknown format: bogus"),
+        ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum (5) is greater than maximum (1)"),
+        ({"$ref": "#/$defs/missing"}, "missing"),
+        ({"type": "string", "pattern": "(("}, "unclosed group"),
+    ],
+)
+def test_a_schema_that_cannot_be_compiled_says_why_without_a_tokenizer(schema, says):
+    with pytest.raises(InvalidSchema, match="cannot be compiled") as info:
+        grammar_of(canonical_schema(schema))
+    assert says in str(info.value) and info.value.param == "response_format"
+    assert isinstance(info.value, InvalidRequest)  # the serving layer's 400
+
+
+def test_a_schema_no_document_satisfies_fails_its_compile_not_its_sequence(compiler):
+    """A `$ref` to itself passes the tokenizer-free check; the compile's first mask finds it."""
+    grammar_of(canonical_schema({"$ref": "#"}))
+    with pytest.raises(InvalidSchema, match="no document satisfies the JSON schema"):
+        compiler.compile(canonical_schema({"$ref": "#"})).result()
+
+
+def test_pydantic_discriminated_unions_compile():
+    """Pydantic writes them as oneOf, which is enforced as anyOf (their alternatives exclude each other)."""
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(BaseModel):
+        pet: Cat | Dog = Field(discriminator="kind")
+
+    schema = Pet.model_json_schema()
+    assert "oneOf" in json.dumps(schema)
+    grammar_of(canonical_schema(schema))
+
+
+def test_compiles_are_cached_by_schema_and_evicted_least_recent_first():
+    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH, cache_size=2)
+    try:
+        a, b, c = (canonical_schema({"type": t}) for t in ("integer", "string", "boolean"))
+        first = compiler.compile(a)
+        assert compiler.compile(a) is first
+        compiler.compile(b)
+        compiler.compile(a)  # a is now the most recent: b goes first
+        compiler.compile(c)
+        assert compiler.compile(a) is first and compiler.compile(b).result() is not None
+        bad = compiler.compile(canonical_schema({"type": "strin"}))
+        with pytest.raises(InvalidSchema, match="strin"):
+            bad.result()
+    finally:
+        compiler.close()
+
+
+# -- one sequence's grammar ----------------------------------------------------------------------
+
+
+def test_a_document_is_walked_token_by_token_and_ends_when_complete(compiler):
+    grammar = person(compiler)
+    assert texts(allowed(grammar)) == {"{"}
+    tokens = ids(DOCUMENT)
+    for n, token in enumerate(tokens):
+        assert token in allowed(grammar), (n, TOKENIZER.decode(tokens[:n]))
+        assert not grammar.done
+        assert grammar.accept(token)
+    assert grammar.done  # nothing may follow the closing brace
+
+
+def test_the_enum_and_the_length_limits_narrow_the_mask(compiler):
+    grammar = person(compiler)
+    grammar.replay(ids('{"name": "Adalov'))  # six characters: the string must close
+    assert texts(allowed(grammar)) == {'"'}
+    grammar = person(compiler)
+    grammar.replay(ids('{"name": "A", "role": "'))
+    assert texts(allowed(grammar)) == {"a", "u"}
+    grammar = person(compiler)
+    grammar.replay(ids('{"name": "A", "role": "user", "tags": [1, 2'))
+    assert texts(allowed(grammar)) == set("0123456789]")  # a third item would pass maxItems
+
+
+def test_eos_is_allowed_only_where_the_grammar_may_end(compiler):
+    """A top-level integer may end after any digit, so it is accepting without being done."""
+    grammar = compiler.grammar(compiler.compile(canonical_schema({"type": "integer"})).result())
+    assert EOS not in allowed(grammar)
+    assert grammar.accept(ids("4")[0])
+    assert EOS in allowed(grammar) and not grammar.done
+    assert grammar.accept(EOS) and grammar.done
+
+
+def test_special_and_padded_tokens_are_never_allowed(compiler):
+    grammar = compiler.grammar(compiler.compile(JSON_OBJECT).result())
+    grammar.replay(ids('{"a": "'))  # inside a string: printable bytes and UTF-8 lead bytes
+    inside = allowed(grammar)
+    specials = set(TOKENIZER.all_special_ids) | set(TOKENIZER.convert_tokens_to_ids(["<|system|>", "<|user|>"]))
+    assert len(inside) > 100 and not inside & specials
+    assert max(inside) < len(TOKENIZER)  # the padded columns past the tokenizer's
+
+
+def test_replay_restores_the_state_and_refuses_tokens_the_schema_forbids(compiler):
+    walked, replayed = person(compiler), person(compiler)
+    prefix = ids(DOCUMENT)[:20]
+    for token in prefix:
+        walked.accept(token)
+    replayed.replay(prefix)
+    assert allowed(replayed) == allowed(walked)
+    with pytest.raises(InvalidRequest, match="do not fit its schema"):
+        person(compiler).replay(ids('{"nope": 1}'))
+
+
+def test_each_sequence_gets_a_grammar_of_its_own(compiler):
+    compiled = compiler.compile(canonical_schema(PERSON)).result()
+    one, two = compiler.grammar(compiled), compiler.grammar(compiled)
+    one.replay(ids('{"name": "'))
+    assert texts(allowed(two)) == {"{"}
+
+
+def test_the_thread_pool_fills_the_same_masks_as_one_row_after_another(compiler):
+    grammars = [person(compiler) for _ in range(9)]
+    for n, grammar in enumerate(grammars):
+        grammar.replay(ids(DOCUMENT)[: 4 * n])
+    serial, pooled = MaskFiller(), MaskFiller()
+    serial.executor, pooled.executor = None, llguidance.LLExecutor(2)
+    a = torch.zeros(len(grammars), grammars[0].words, dtype=torch.int32)
+    b = torch.zeros_like(a)
+    serial.fill(grammars, a)
+    pooled.fill(grammars, b)
+    assert torch.equal(a, b)
+
+
+# -- the sampler applying the masks --------------------------------------------------------------
+
+
+def apply_reference(logits: torch.Tensor, allowed_ids: set[int]) -> torch.Tensor:
+    out = torch.full_like(logits, float("-inf"))
+    index = torch.tensor(sorted(allowed_ids))
+    out[index] = logits[index]
+    return out
+
+
+def test_apply_token_bitmask_bans_what_the_bitmask_leaves_out_and_only_in_its_rows():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 70, generator=g)
+    bitmask = torch.tensor([[0b1010, -(1 << 31)]], dtype=torch.int32)  # tokens 1, 3 and 63; 64+ past the mask
+    out = apply_token_bitmask(logits, torch.tensor([1]), bitmask)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert torch.equal(out[1], apply_reference(logits[1], {1, 3, 63}))
+
+
+SAMPLING = [
+    dict(temperature=0.0),
+    dict(temperature=1.0, seed=7),
+    dict(temperature=0.8, top_p=0.9, seed=3),
+    dict(temperature=1.2, top_k=5, seed=11),
+    dict(temperature=0.7, top_p=0.5, top_k=40, logprobs=5, presence_penalty=0.5, logit_bias=((65, 100.0),)),
+]
+
+
+def batch(compiler, sampler: BatchSampler, constrained: list[bool], logprobs: int | None = None):
+    seqs = []
+    for slot, (kwargs, grammar) in enumerate(zip(SAMPLING * 2, constrained)):
+        params = SamplingParams(**{**kwargs, "logprobs": kwargs.get("logprobs", logprobs)})
+        seq = new_sequence(ids("Hi"), params)
+        seq.output_ids = ids("ab")
+        seq.slot = slot
+        if grammar:
+            seq.grammar = person(compiler)
+            seq.grammar.replay(ids('{"name": "A", "role": "'))
+        seqs.append(seq)
+    sampler.admit(seqs)
+    return seqs
+
+
+@pytest.mark.parametrize("step", range(3))
+def test_free_rows_of_a_mixed_batch_draw_bit_for_bit_what_they_draw_alone(compiler, step):
+    g = torch.Generator().manual_seed(step)
+    logits = torch.randn(len(SAMPLING) * 2, WIDTH, generator=g) * 3
+    mixed = [i % 2 == 1 for i in range(len(SAMPLING) * 2)]
+    free_sampler, mixed_sampler = (BatchSampler(16, WIDTH, torch.device("cpu")) for _ in range(2))
+    free_tokens, free_logprobs = free_sampler.sample(logits, batch(compiler, free_sampler, [False] * 10, 3))
+    mixed_tokens, mixed_logprobs = mixed_sampler.sample(logits, batch(compiler, mixed_sampler, mixed, 3))
+    for i, constrained in enumerate(mixed):
+        if constrained:
+            assert TOKENIZER.decode([mixed_tokens[i]]) in {"a", "u"}, (i, SAMPLING[i % len(SAMPLING)])
+        else:
+            assert mixed_tokens[i] == free_tokens[i] and mixed_logprobs[i] == free_logprobs[i]
+
+
+def test_a_constrained_row_reports_the_logprobs_of_the_constrained_distribution(compiler):
+    """Only "a" (admin) and "u" (user) may follow: their probabilities sum to one, every other token
+    reads as the floor, and the alternatives list the allowed ones first."""
+    sampler = BatchSampler(16, WIDTH, torch.device("cpu"))
+    (seq,) = batch(compiler, sampler, [True], logprobs=3)
+    logits = torch.randn(1, WIDTH, generator=torch.Generator().manual_seed(5))
+    logits[0, ids("{")[0]] = 50.0  # what the model wants most is not allowed
+    (token,), (logprob,) = sampler.sample(logits, [seq])
+    a, u = ids("a")[0], ids("u")[0]
+    assert token in (a, u)
+    top = dict(logprob.top)
+    assert set(list(top)[:2]) == {a, u} and list(top.values())[2] == LOGPROB_FLOOR
+    assert abs(sum(torch.tensor([top[a], top[u]]).exp().tolist()) - 1.0) < 1e-5
+    assert logprob.logprob == top[token]
+
+
+def test_the_sampler_fills_no_masks_for_a_batch_without_grammars(compiler, monkeypatch):
+    sampler = BatchSampler(16, WIDTH, torch.device("cpu"))
+    monkeypatch.setattr(sampler.masks, "fill", lambda *a: pytest.fail("filled a mask for a free batch"))
+    sampler.sample(torch.randn(2, WIDTH), batch(compiler, sampler, [False, False]))
+    assert sampler._bitmask is None

@@ -1,0 +1,180 @@
+"""Structured outputs: JSON schemas compiled (with llguidance) into one grammar matcher per sequence,
+whose token bitmask the sampler applies after the replayed step.
+
+A schema is known by its canonical JSON (compact, key order kept: the order of `properties` is the
+order the object is written in, so two orderings are two grammars). The compiled grammar is cached
+per engine (LRU by that text) and compiled in a thread of its own, never on the step loop:
+llguidance drops the interpreter lock while it builds a grammar. A sequence gets a copy of the
+cached matcher (microseconds) and advances it by every token it draws; a continuation from another
+engine (failover) replays the tokens its client already has into its copy first.
+
+JSON is written compactly, as `json.dumps` does (`", "` and `": "`, no other whitespace): a small
+model given free whitespace may never leave it. End-of-sequence tokens are allowed only where the
+grammar may end, and a sequence whose grammar is complete ends there (finish reason `stop`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import os
+import threading
+from collections import OrderedDict
+
+import llguidance
+import torch
+
+from workers.serving.sampling import InvalidRequest
+
+# compact JSON; oneOf (Pydantic's discriminated unions) enforced as anyOf: a document that matches
+# two alternatives is not refused
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
+JSON_OBJECT = '{"type":"object"}'  # what `response_format: {"type": "json_object"}` asks for
+CACHE_SIZE = 256  # compiled schemas kept per engine
+PARALLEL_MIN_ROWS = 8  # below this, or on a host of few cores, masks are filled one row after another
+PARALLEL_MIN_CPUS = 8
+
+
+class InvalidSchema(InvalidRequest):
+    """A response_format whose schema cannot be compiled (the 400 names `response_format`)."""
+
+    param = "response_format"
+
+
+def canonical_schema(schema: dict) -> str:
+    """The schema's cache key and what crosses to the engine: compact JSON, key order kept."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)  # a failure is not cached: raised again each time
+def grammar_of(schema: str) -> str:
+    """The llguidance grammar of a canonical schema; InvalidSchema says why there is none. Needs no
+    tokenizer, so the ingress refuses a bad schema before any replica sees it (once per schema)."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise InvalidSchema(f"the JSON schema cannot be read: {e}") from e
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidSchema(f"the JSON schema cannot be compiled: {error}")
+    return grammar
+
+
+def reason(matcher: llguidance.LLMatcher) -> str:
+    """Why a matcher failed: the first line of its error (the rest is its parser's state)."""
+    return matcher.get_error().split("\n", 1)[0]
+
+
+class Grammar:
+    """One sequence's place in its grammar; `words`: the int32 words of its token bitmask."""
+
+    __slots__ = ("matcher", "words")
+
+    def __init__(self, matcher: llguidance.LLMatcher, words: int) -> None:
+        self.matcher = matcher
+        self.words = words
+
+    def accept(self, token: int) -> bool:
+        """Advance by a drawn token; False if the grammar does not allow it (never for a masked draw)."""
+        return self.matcher.consume_token(token)
+
+    def replay(self, tokens: list[int]) -> None:
+        """Advance by the tokens a continuation's client already has; InvalidRequest if they do not fit."""
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise InvalidRequest(f"cannot continue this stream: its tokens do not fit its schema ({self.error})")
+
+    @property
+    def done(self) -> bool:
+        """Whether the grammar is complete and cannot go on (its sequence ends here)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return reason(self.matcher)
+
+
+class GrammarCompiler:
+    """One engine's grammars: compiled for its tokenizer and logits width, cached, off the step loop.
+
+    The llguidance tokenizer (about 0.2 s for 49k tokens) is built on the first compile, in the
+    compile thread, so an engine that never serves a schema never pays for it."""
+
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int, cache_size: int = CACHE_SIZE):
+        self.hf_tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        # ids past the tokenizer's (a padded vocabulary) have no bytes: never allowed
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.cache_size = cache_size
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-grammar")
+        self._lock = threading.Lock()  # the tokenizer is built once, whichever thread asks first
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one row's bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, schema: str) -> concurrent.futures.Future:
+        """The compiled grammar of a canonical schema, as a future (done at once when cached): its
+        result is a matcher to copy per sequence, its exception an InvalidSchema."""
+        future = self._cache.get(schema)
+        if future is not None:
+            self._cache.move_to_end(schema)
+            return future
+        future = self._pool.submit(self._compile, schema)
+        self._cache[schema] = future
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, schema: str) -> llguidance.LLMatcher:
+        """The matcher, its first mask computed on a copy: a schema no document satisfies (a `$ref`
+        to itself) fails there, here rather than in a sequence, and the first mask's lazy set-up is
+        done off the step loop."""
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar_of(schema), log_level=0)
+        if matcher.is_error():
+            raise InvalidSchema(f"the JSON schema cannot be compiled: {reason(matcher)}")
+        probe, row = matcher.deep_copy(), torch.empty(self.mask_words, dtype=torch.int32)  # row: alive while written
+        probe.unsafe_compute_mask_ptr(row.data_ptr(), self.mask_words * 4)
+        if probe.is_error():
+            raise InvalidSchema(f"no document satisfies the JSON schema ({reason(probe)})")
+        return matcher
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self.hf_tokenizer.backend_tokenizer.to_str(),
+                    n_vocab=self.vocab_size,
+                    eos_token=list(self.eos_token_ids) or None,
+                )
+            return self._tokenizer
+
+    def grammar(self, compiled: llguidance.LLMatcher) -> Grammar:
+        """A sequence's own grammar state, at its start."""
+        return Grammar(compiled.deep_copy(), self.mask_words)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class MaskFiller:
+    """Fills the token bitmasks of a batch's constrained rows from their grammars, on the host."""
+
+    def __init__(self) -> None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        # measured (bench/results/grammar_engines_cpu.md): on 2 cores llguidance's thread pool costs
+        # more than it saves; on a GPU host its threads fill a large batch in parallel
+        self.executor = llguidance.LLExecutor() if cpus >= PARALLEL_MIN_CPUS else None
+
+    def fill(self, grammars: list[Grammar], bitmask: torch.Tensor) -> None:
+        """Row i of `bitmask` (a contiguous host int32 tensor) gets grammar i's allowed tokens."""
+        words = bitmask.shape[1]
+        if self.executor is not None and len(grammars) >= PARALLEL_MIN_ROWS:
+            pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
+            self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, bitmask.shape[0])
+            return
+        for i, g in enumerate(grammars):
+            g.matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
