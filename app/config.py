@@ -153,6 +153,14 @@ class AppConfig(BaseModel):
         "`graph_memory_budget_mb`; never more than every sequence at `max_model_len` needs. On CPU the pool holds "
         "`max_num_seqs` x `max_model_len`",
     )
+    max_num_batched_tokens: int = Field(
+        8192,
+        ge=1,
+        description="tokens one engine step carries at most: one per decoding sequence, the rest prompt. A prompt "
+        "longer than what is left is prefilled in chunks over several steps while the running sequences keep "
+        "decoding (chunked prefill): smaller bounds the inter-token latency a long prompt adds to running streams, "
+        "larger lets a burst of prompts in sooner",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description=(

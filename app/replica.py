@@ -74,6 +74,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         compile_cache_dir=config.compile_cache_dir,
         enable_prefix_caching=config.enable_prefix_caching,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         graph_policy=config.graph_policy(),
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank, tuple(config.lora.target_modules))
         if config.lora

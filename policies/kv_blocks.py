@@ -21,7 +21,7 @@ recently released cached ones.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from policies.prefix_cache import PrefixCache
@@ -77,11 +77,12 @@ class BlockManager:
         pages, and the hits nobody holds now (they stop being evictable)."""
         return self.pages_for(tokens) - len(hits) + sum(self.prefix.is_idle(p) for p in hits)
 
-    def allocate(self, seq_id: str, tokens: int, hashes: Sequence[bytes] = ()) -> list[int]:
+    def allocate(self, seq_id: str, tokens: int, hashes: Sequence[bytes] = (), written: int | None = None) -> list[int]:
         """Pages for a new sequence's first `tokens` positions (its prompt); its block table.
         `hashes`: the chain hashes of its full pages (none: nothing reused or cached). Its cached
-        prefix is reused; the full pages it computes now become cached (its prefill, this step,
-        writes them before any later reader's attention reads them)."""
+        prefix is reused; the full pages among its first `written` positions (default: all)
+        become cached (its prefill, this step, writes them before any later reader's attention
+        reads them); a chunked prefill caches the rest with `cache_page` as its chunks go in."""
         if seq_id in self._held:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
         hits = self.cached_prefix(tokens, hashes)
@@ -93,7 +94,8 @@ class BlockManager:
             self._ref(page)
         pages = hits + [self._take() for _ in range(self.pages_for(tokens) - len(hits))]
         self._held[seq_id] = _Held(pages, tokens, len(hits))
-        for index in range(len(hits), min(len(hashes), tokens // self.page_size)):
+        written = tokens if written is None else written
+        for index in range(len(hits), min(len(hashes), written // self.page_size)):
             self.prefix.add(pages[index], hashes[index])
         return list(pages)
 
@@ -165,13 +167,14 @@ class BlockManager:
         page, offset = divmod(position, self.page_size)
         return self._held[seq_id].pages[page] * self.page_size + offset
 
-    def reserve_step(self, running: Sequence[str]) -> tuple[list[str], list[str]]:
-        """Room for one more position of every running sequence (given oldest first), preempting the
+    def reserve_step(self, running: Sequence[str], prefilling: Collection[str] = ()) -> tuple[list[str], list[str]]:
+        """Room for one more position of every running sequence (given oldest first) but those still
+        `prefilling` (they hold their prompt's pages and do not grow this step), preempting the
         newest while the pool cannot supply the pages this step needs: their pages are freed. Returns
         (the preempted, newest first, to be re-queued; the kept sequences that got a new page, whose
         block tables grew). One pass over the batch: this runs every decode step."""
         kept = list(running)
-        needing = {s for s in kept if self._needs(self._held[s])}
+        needing = {s for s in kept if s not in prefilling and self._needs(self._held[s])}
         preempted: list[str] = []
         while len(needing) > self.num_free:
             victim = kept.pop()
@@ -180,6 +183,8 @@ class BlockManager:
             preempted.append(victim)
         grown = []
         for seq_id in kept:
+            if seq_id in prefilling:
+                continue
             held = self._held[seq_id]
             if seq_id in needing:
                 held.pages.append(self._take())

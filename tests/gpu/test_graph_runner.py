@@ -27,7 +27,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 CAPTURE_ORDER = tuple(sorted(BUCKETS, reverse=True))
 SIZES = (1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 33)  # every bucket, between buckets, and above the largest
 STEPS = 64
-ENGINE_OPTIONS = ("kv_page_size", "kv_cache_tokens", "max_prefill_tokens")
+ENGINE_OPTIONS = ("kv_page_size", "kv_cache_tokens", "max_num_batched_tokens")
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ def cache_dir(tmp_path_factory, monkeypatch):
 
 def make_engine(mode="full", backend="sdpa", max_num_seqs=40, max_model_len=256, **options) -> LLMEngine:
     """The default tiny model (fp32) on CUDA. `buckets=None` is the default ladder for max_num_seqs;
-    kv_page_size / kv_cache_tokens / max_prefill_tokens go to the engine, the rest to the policy."""
+    kv_page_size / kv_cache_tokens / max_num_batched_tokens go to the engine, the rest to the policy."""
     engine_options = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
     options.setdefault("compile", False)  # compile is the default; tests opt in where they need it
     policy = GraphPolicy(mode=mode, decode_batch_buckets=options.pop("buckets", BUCKETS), **options)

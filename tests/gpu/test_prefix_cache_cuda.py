@@ -113,3 +113,22 @@ def test_cached_requests_decode_with_graphs_what_uncached_ones_decode(pool):
     if pool is not None:
         assert status.kv_cache["preemptions"] > 0
     assert status.kv_cache["pages_free"] == status.kv_cache["pages"]
+
+
+@pytest.mark.parametrize("budget", [7, 40])
+def test_chunked_prefill_decodes_with_graphs_what_whole_prefills_decode(budget):
+    """Step budgets of 7 and 40 tokens cut prompts of 3 to 120 tokens inside pages and across
+    them, beside requests decoding by graph replay: greedy and seeded tokens equal those of one
+    prefill per prompt (fp32), with prefix caching on, and a small pool preempting between chunks."""
+    g = torch.Generator().manual_seed(1)
+    requests = []
+    for i in range(8):
+        prompt = torch.randint(0, 256, (3 + 17 * i,), generator=g).tolist()
+        requests.append((prompt, SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=200 + i)))
+    for pool in (None, 40 * PAGE):
+        whole = engine(True, kv_cache_tokens=pool)
+        chunked = engine(True, kv_cache_tokens=pool, max_num_batched_tokens=budget)
+        assert [s.output_ids for s in serve(chunked, requests)] == [s.output_ids for s in serve(whole, requests)]
+        parts = chunked.status().stats["decode_step_parts"]
+        assert sum(p["rows"] for p in parts if p["execution_mode"] == "cuda_graph") > 0
+        assert chunked.stats.prefill_steps > whole.stats.prefill_steps

@@ -88,7 +88,7 @@ def test_model_length_shards_and_attention_backend_change_the_key():
         dict(max_waiting=7),
         dict(kv_cache_tokens=4096),
         dict(kv_cache_memory_fraction=0.5),
-        dict(max_prefill_tokens=1024),
+        dict(max_num_batched_tokens=1024),
         dict(model_revision="v2"),
         dict(compile_cache_dir="/elsewhere"),
         dict(graph_policy=GraphPolicy(shadow_verify_every_n_steps=10, graph_memory_budget_mb=1)),

@@ -199,10 +199,10 @@ def test_invariants_hold_under_a_random_workload_with_shared_prefixes():
 # ---------------------------------------------------------------- the scheduler's part
 
 
-def caching_scheduler(num_pages: int = 32, max_prefill_tokens: int = 1000, max_num_seqs: int = 4) -> Scheduler:
+def caching_scheduler(num_pages: int = 32, max_num_batched_tokens: int = 1000, max_num_seqs: int = 4) -> Scheduler:
     blocks = BlockManager(num_pages, PS)
     max_model_len = min(32, blocks.capacity_tokens)
-    return Scheduler(max_num_seqs, max_model_len, 8, max_prefill_tokens, blocks=blocks, prefix_caching=True)
+    return Scheduler(max_num_seqs, max_model_len, 8, max_num_batched_tokens, blocks=blocks, prefix_caching=True)
 
 
 def prompt(request_id: str, tokens: list[int], adapter: tuple[str, str] | None = None) -> Sequence:
@@ -216,13 +216,13 @@ def test_an_admitted_prompt_starts_its_prefill_after_its_cached_pages_and_its_ta
     s.take_edits()
     s.add(b := prompt("b", list(range(9)) + [50]))
     s.admit()
-    assert b.prefill_start == b.cached_tokens == 8 and a.prefill_start == a.cached_tokens == 0
+    assert b.prefill_start == b.cached_tokens == 8 and a.cached_tokens == 0 and a.prefill_start == a.length
     edits = s.take_edits()
     assert edits[:6] == [b.slot, 0, 1, b.slot, 1, 2]  # its first two entries: a's pages
 
 
 def test_cached_tokens_count_against_neither_the_prefill_budget_nor_the_pool():
-    s = caching_scheduler(num_pages=9, max_prefill_tokens=20)  # 8 usable pages
+    s = caching_scheduler(num_pages=9, max_num_batched_tokens=20)  # 8 usable pages
     s.add(prompt("a", list(range(16))))
     s.admit()  # 4 pages, all cached, held by a
     s.reserve_decode()  # a's next position takes a fifth page

@@ -9,8 +9,8 @@ from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.scheduler import QueueFull, RequestLimits, Scheduler, Sequence
 
 
-def make_scheduler(max_num_seqs=3, max_model_len=64, max_waiting=8, max_prefill_tokens=1000) -> Scheduler:
-    return Scheduler(max_num_seqs, max_model_len, max_waiting, max_prefill_tokens)
+def make_scheduler(max_num_seqs=3, max_model_len=64, max_waiting=8, max_num_batched_tokens=1000) -> Scheduler:
+    return Scheduler(max_num_seqs, max_model_len, max_waiting, max_num_batched_tokens)
 
 
 def seq(request_id: str, prompt_len: int = 4) -> Sequence:
@@ -80,31 +80,73 @@ def test_queueing_when_all_slots_busy_is_fifo():
     assert [q.request_id for q in s.waiting] == ["w3"]
 
 
-def test_prefill_budget_defers_second_long_prompt():
-    """Prompt tokens admitted in one step stay within max_prefill_tokens: a long second prompt waits
-    for the next step, and a prompt over the whole budget is still admitted when it comes first."""
-    s = make_scheduler(max_num_seqs=5, max_model_len=100, max_prefill_tokens=10)
-    big, long2, short = seq("big", 30), seq("long2", 8), seq("short", 2)
+def chunks(s: Scheduler) -> list[tuple[str, int, int]]:
+    """This step's prefill chunks, as (request, start, end)."""
+    return [(q.request_id, q.prefill_start, q.prefill_end) for q in s.chunks]
+
+
+def test_a_step_carries_at_most_the_token_budget_and_long_prompts_go_in_chunks():
+    """Prompt tokens per step stay within max_num_batched_tokens less one per decoding sequence: a
+    prompt over the budget is prefilled in chunks over several steps (it decodes only after its
+    last), its chunks go before new admissions, and the prompts after it wait or are chunked too."""
+    s = make_scheduler(max_num_seqs=5, max_model_len=100, max_num_batched_tokens=10)
+    big, long2, short = seq("big", 25), seq("long2", 8), seq("short", 2)
     for q in (big, long2, short):
         s.add(q)
-    assert s.admit() == [big]  # over budget on its own, but first: admitted, never starved
-    assert s.admit() == [long2, short]  # 8 + 2 fit exactly in the 10-token budget
-    a, b = seq("a", 6), seq("b", 6)
-    s.add(a)
-    s.add(b)
-    assert s.admit() == [a]  # 6 + 6 > 10: b waits, even though a slot is free
-    assert list(s.waiting) == [b]
-    assert s.admit() == [b]
+    assert s.admit() == [big] and chunks(s) == [("big", 0, 10)]
+    assert big.in_prefill and s.reserve_decode() == [] and s.blocks.tokens("big") == 25  # no decode yet
+    assert s.admit() == [] and chunks(s) == [("big", 10, 20)]  # its chunk first: nothing left for long2
+    assert s.admit() == [long2] and chunks(s) == [("big", 20, 25), ("long2", 0, 5)]
+    assert not big.in_prefill and long2.in_prefill
+    s.reserve_decode()  # big decodes from now on: one token of the next step's budget
+    assert s.admit() == [short] and chunks(s) == [("long2", 5, 8), ("short", 0, 2)]
+    assert not long2.in_prefill and not short.in_prefill
+    assert s.admit() == [] and s.chunks == [] and short.prefill_start == 2
 
 
 def test_prefill_budget_is_fifo_not_best_fit():
-    """A prompt that does not fit the remaining budget blocks later small ones (no overtaking)."""
-    s = make_scheduler(max_num_seqs=4, max_prefill_tokens=10)
-    a, b, c = seq("a", 6), seq("b", 6), seq("c", 1)
+    """Waiting prompts go in in order: a later small one never overtakes the one being chunked."""
+    s = make_scheduler(max_num_seqs=4, max_num_batched_tokens=10)
+    a, b, c = seq("a", 6), seq("b", 12), seq("c", 1)
     for q in (a, b, c):
         s.add(q)
-    assert s.admit() == [a]
-    assert [q.request_id for q in s.waiting] == ["b", "c"]
+    assert s.admit() == [a, b] and chunks(s) == [("a", 0, 6), ("b", 0, 4)]
+    assert [q.request_id for q in s.waiting] == ["c"]
+    s.reserve_decode()
+    # 10 less a's decode: b's last 8 tokens, then c (after b, never before it) in the one left
+    assert s.admit() == [c] and chunks(s) == [("b", 4, 12), ("c", 0, 1)]
+
+
+def test_decodes_never_starve_prefill():
+    """However many sequences decode, a step still carries some prompt (a page's worth at least)."""
+    s = Scheduler(4, 64, 8, 3, blocks=BlockManager(64, 4))
+    for name in "abc":
+        s.add(seq(name, 1))
+    assert len(s.admit()) == 3 and len(chunks(s)) == 3
+    s.reserve_decode()
+    late = seq("late", 9)
+    s.add(late)
+    assert s.admit() == [late] and chunks(s) == [("late", 0, 3)]  # 3 decodes fill the budget of 3
+
+
+def test_a_preempted_sequence_in_its_prefill_starts_over():
+    """A sequence preempted between two of its chunks (a decode needed its pages) frees them and is
+    prefilled from the start again when admitted again."""
+    s = Scheduler(2, 16, 8, 3, blocks=BlockManager(6, 4))  # 5 usable pages of 4 tokens, 3 tokens a step
+    old, new = seq("old", 4), seq("new", 11)
+    s.add(old)
+    s.add(new)
+    preempted = []
+    for _ in range(10):
+        s.admit()
+        chunks(s)
+        preempted = s.reserve_decode()
+        if preempted:
+            break
+    assert preempted == [new] and not new.in_prefill and new.prefill_start > 0 and new not in s.prefilling.values()
+    assert list(s.waiting) == [new] and "new" not in s.running
+    s.finish(old, "stop")
+    assert s.admit() == [new] and chunks(s) == [("new", 0, 3)]
 
 
 def test_empty_prompt_rejected():

@@ -21,11 +21,11 @@ from workers.serving.batch_sampler import BatchSampler
 MB = 1 << 20
 
 
-def prefill_sizes(max_prefill_tokens: int, max_model_len: int) -> list[list[int]]:
+def prefill_sizes(max_num_batched_tokens: int, max_model_len: int) -> list[list[int]]:
     """Prompt lengths of a ladder of prefills up to the largest one the engine runs (each split into
     prompts of at most max_model_len): what startup runs to warm and to measure prefill."""
     sizes = [16]
-    largest = max(max_prefill_tokens, max_model_len)
+    largest = max(max_num_batched_tokens, max_model_len)
     while sizes[-1] < largest:
         sizes.append(min(2 * sizes[-1], largest))
     return [[min(max_model_len, n - start) for start in range(0, n, max_model_len)] for n in sizes]
@@ -37,11 +37,11 @@ def scratch_cache(model: LlamaModel, page_size: int) -> KVCache:
 
 
 @torch.inference_mode()
-def activation_peak_bytes(model: LlamaModel, max_prefill_tokens: int, max_num_seqs: int, page_size: int) -> int:
+def activation_peak_bytes(model: LlamaModel, max_num_batched_tokens: int, max_num_seqs: int, page_size: int) -> int:
     """Device memory the largest prefill and the largest batch's sampling (with every part: top-k
     and top-p, penalties, logit_bias, logprobs) take at their peak."""
     device = model.embed.weight.device
-    lens = prefill_sizes(max_prefill_tokens, model.max_model_len)[-1]
+    lens = prefill_sizes(max_num_batched_tokens, model.max_model_len)[-1]
     n = sum(lens)
     cache = scratch_cache(model, page_size)
     sampler = BatchSampler(max_num_seqs, model.cfg.vocab_size, device)  # before `base`: its history is reserved apart
@@ -63,7 +63,7 @@ def plan_num_pages(
     page_size: int,
     kv_cache_tokens: int | None,
     memory_fraction: float,
-    max_prefill_tokens: int,
+    max_num_batched_tokens: int,
     reserved_bytes: int,
 ) -> int:
     """Pages of this rank's pool, the scratch page included; `reserved_bytes` is what other
@@ -74,7 +74,7 @@ def plan_num_pages(
     device = model.embed.weight.device
     if device.type != "cuda":
         return useful
-    peak = activation_peak_bytes(model, max_prefill_tokens, max_num_seqs, page_size)
+    peak = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, page_size)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     budget = memory_fraction * free - peak - reserved_bytes

@@ -52,7 +52,7 @@ class EngineConfig:
     max_num_seqs: int | None = None  # the batch limit; None = 256 on CUDA, 32 on CPU
     max_model_len: int = 2048  # capped at the model's max_position_embeddings
     max_waiting: int = 1024
-    max_prefill_tokens: int = 8192
+    max_num_batched_tokens: int = 8192
     device: str = "auto"  # auto = cuda when present
     dtype: str | None = None  # None = the checkpoint's
     attention_backend: str = "auto"  # auto = triton on CUDA, sdpa elsewhere (`attention.py`)
@@ -136,7 +136,7 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
         config.kv_page_size,
         config.kv_cache_tokens,
         config.kv_cache_memory_fraction,
-        config.max_prefill_tokens,
+        config.max_num_batched_tokens,
         reserve,
     )
     return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
@@ -208,7 +208,7 @@ class LLMEngine:
             self.cache.num_slots,
             self.max_model_len,
             config.max_waiting,
-            config.max_prefill_tokens,
+            config.max_num_batched_tokens,
             vocab_size=model.cfg.vocab_size,
             blocks=BlockManager(self.cache.num_pages, self.cache.page_size, reserved=1),
             prefix_caching=config.enable_prefix_caching,
@@ -252,7 +252,7 @@ class LLMEngine:
         of sizes up to the largest prefill moves that cost from the first requests to startup.
         Greedy and filtered sampling run once each for the same reason, and so do penalties,
         logit_bias and logprobs."""
-        ladder = prefill_sizes(self.config.max_prefill_tokens, self.max_model_len)
+        ladder = prefill_sizes(self.config.max_num_batched_tokens, self.max_model_len)
         for lens in ladder if self.device.type == "cuda" else ladder[:1]:
             batch = PrefillInputs.scratch(lens, self.cache.scratch_slot)
             self._send(PREFILL, batch)
@@ -532,28 +532,33 @@ class LLMEngine:
         for refused in self._refused:
             events[refused.request_id] = refused
         self._refused.clear()
-        if admitted:
+        if self.scheduler.chunks:
             start = time.perf_counter()
-            self._prefill(admitted, events)
+            self._prefill(self.scheduler.chunks, admitted, events)
             self.stats.record_busy("prefill", time.perf_counter() - start)
         if self.scheduler.running:
             self.scheduler.reserve_decode()  # may preempt the newest: they wait to be prefilled again
-        batch = list(self.scheduler.running.values())
+        batch = [s for s in self.scheduler.running.values() if not s.in_prefill]
         if batch:
             start = time.perf_counter()
             self._decode(batch, events, self.scheduler.take_edits())
             self.stats.record_busy("decode", time.perf_counter() - start)
         return list(events.values())
 
-    def _prefill(self, seqs: list[Sequence], events: dict[str, TokenEvent]) -> None:
-        batch = PrefillInputs.of(seqs, self.scheduler.take_edits())
+    def _prefill(self, chunks: list[Sequence], admitted: list[Sequence], events: dict[str, TokenEvent]) -> None:
+        """This step's prefill chunks in one call; the sequences whose last chunk this was sample
+        their first token."""
+        if self.scheduler.prefix_caching and admitted:  # tokens looked up in the prefix cache, and found there
+            self.stats.record_prefix_cache(sum(s.length for s in admitted), sum(s.prefill_start for s in admitted))
+        batch = PrefillInputs.of(chunks, self.scheduler.take_edits())
         self._send(PREFILL, batch)
         logits = self.runners.of(batch).prefill(batch)
-        if self.scheduler.prefix_caching:  # tokens looked up in the prefix cache, and found there
-            self.stats.record_prefix_cache(sum(s.length for s in seqs), sum(s.prefill_start for s in seqs))
-        self.sampler.admit(seqs)
-        self._accept(seqs, logits, events)
-        self.stats.record_prefill(len(seqs), len(batch.tokens))
+        rows = [i for i, s in enumerate(chunks) if s.prefill_end == s.length]
+        self.stats.record_prefill(len(rows), len(batch.tokens))
+        if rows:
+            seqs = [chunks[i] for i in rows]
+            self.sampler.admit(seqs)
+            self._accept(seqs, logits[rows] if len(rows) < len(chunks) else logits, events)
 
     def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent], pages: list[int]) -> None:
         """One token for every running sequence. Rows whose request may not use graphs run eager

@@ -6,9 +6,15 @@ slot (its row of the block table; there are max_num_seqs, the batch limit) and t
 manager gave it; admission needs a free slot and free pages for the whole sequence so far. When a
 decode step needs pages the pool no longer has, the newest sequences are preempted: their pages are
 freed and they go back to the front of the queue with every token kept, to be prefilled again
-(prompt and output so far) when pages are free. Each step's prompt tokens are bounded so a burst of
-long prompts cannot stall decoding. Every page given out is also recorded as a block-table edit
-(slot, index, page) for the engine to hand to the device (`take_edits`).
+(prompt and output so far) when pages are free. Every page given out is also recorded as a
+block-table edit (slot, index, page) for the engine to hand to the device (`take_edits`).
+
+Chunked prefill: a step carries the running decodes plus at most `max_num_batched_tokens` tokens in
+all, so a long prompt cannot stall the running streams for its whole prefill. What is left after
+one token per decoding sequence goes to prompts, first to those already partly prefilled, then to
+new admissions; a prompt longer than what is left is prefilled in chunks over several steps (its
+positions before the chunk are in its pages, as a cached prefix is), and decodes only once its
+last chunk is in.
 
 With prefix caching, each sequence's full pages are named by a hash chain of its tokens salted with
 its adapter (`policies/prefix_hash.py`): an admitted sequence reuses the cached pages of its prefix
@@ -56,7 +62,9 @@ class Sequence:
     adapter_slot: int = 0  # the LoRA slot its rows read; 0: none (or not granted yet)
     cache_salt: bytes | None = b""  # what its KV depends on beyond its tokens; None: not known yet
     page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full pages so far
-    prefill_start: int = 0  # positions its next prefill finds cached (it computes the rest)
+    prefill_start: int = 0  # positions its next prefill finds in its pages (cached, or earlier chunks)
+    prefill_end: int = 0  # where this step's prefill chunk of it ends
+    in_prefill: bool = False  # admitted, and its prompt not all prefilled yet: it does not decode
     cached_tokens: int | None = None  # prompt tokens its first prefill found cached (usage)
     grammar: Grammar | None = None  # its response_format's matcher, once compiled (`grammar.py`)
 
@@ -135,7 +143,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         max_waiting: int,
-        max_prefill_tokens: int,
+        max_num_batched_tokens: int,
         vocab_size: int | None = None,
         blocks: BlockManager | None = None,
         prefix_caching: bool = False,
@@ -152,11 +160,15 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.limits = RequestLimits(max_model_len, vocab_size, max_num_seqs + max_waiting)
-        self.max_prefill_tokens = max_prefill_tokens
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_caching = prefix_caching
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest first
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # in admission order: the oldest first
+        self.prefilling: dict[str, Sequence] = {}  # running ones with prompt left to prefill, oldest first
+        self.chunks: list[Sequence] = []  # the sequences the last `admit` gave a prefill chunk this step
         self.edits: list[int] = []
         self.num_preempted = 0
 
@@ -171,23 +183,32 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self, ready: Callable[[Sequence], bool] = lambda seq: True) -> list[Sequence]:
-        """Move waiting sequences into free slots, first come first served, within the step's
-        prompt-token budget (the first admission always fits so a long prompt cannot starve) and
-        while the pool has pages for them and for what the running batch needs this step: a
-        sequence's tokens so far plus the one its first decode writes. Tokens and pages found in
-        the prefix cache count for neither. `ready(seq)` may hold the queue's head back (its LoRA
-        adapter has no slot yet) or end it (`finish`) before it runs. The caller prefills every
-        admitted sequence in this step: the pages they compute are cached from now on."""
+        """Plan this step's prefill (`chunks`, each from its prefill_start to its prefill_end) within
+        the token budget: the chunks of sequences partly prefilled go on first, then waiting
+        sequences move into free slots, first come first served, while the pool has pages for them
+        and for what the running batch needs this step (a sequence's tokens so far plus the one its
+        first decode writes). Tokens and pages found in the prefix cache count for neither. At
+        least one page's worth of prompt goes in every step, however many decode. `ready(seq)` may
+        hold the queue's head back (its LoRA adapter has no slot yet) or end it (`finish`) before
+        it runs. Returns the sequences admitted now. The caller prefills every chunk in this step
+        (the full pages they write are cached from now on); a sequence whose last chunk it is
+        samples its first token and decodes in this step too."""
+        for seq in self.chunks:  # the last step's chunks are in their pages now
+            seq.prefill_start = seq.prefill_end
+        self.chunks = []
         admitted: list[Sequence] = []
-        if not self.waiting or not self.free_slots:
-            return admitted  # the common step: nothing to admit, so no pass over the running batch
-        budget = self.max_prefill_tokens
-        reserve = sum(self.blocks.needs_page(s.request_id) for s in self.running.values())
-        while self.waiting and self.free_slots:
+        if not self.prefilling and (not self.waiting or not self.free_slots):
+            return admitted  # the common step: nothing to prefill, so no pass over the running batch
+        decoding = len(self.running) - len(self.prefilling)
+        budget = max(self.max_num_batched_tokens - decoding, min(self.blocks.page_size, self.max_num_batched_tokens))
+        for seq in list(self.prefilling.values()):
+            if budget <= 0:
+                break
+            budget -= self._plan_chunk(seq, budget)
+        reserve = sum(self.blocks.needs_page(s.request_id) for s in self.running.values() if not s.in_prefill)
+        while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
             hits = self.blocks.cached_prefix(seq.length, self._hashes(seq))
-            if admitted and seq.length - len(hits) * self.blocks.page_size > budget:
-                break
             if self.blocks.pages_taken(hits, min(seq.length + 1, self.max_model_len)) + reserve > self.blocks.num_free:
                 break
             if not ready(seq):
@@ -197,15 +218,32 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             # hashed again: a salt known only once `ready` granted the adapter finds no fewer pages
-            self._edit(seq.slot, 0, self.blocks.allocate(seq.request_id, seq.length, self._hashes(seq)))
+            self._edit(seq.slot, 0, self.blocks.allocate(seq.request_id, seq.length, self._hashes(seq), written=0))
             seq.prefill_start = self.blocks.cached_tokens(seq.request_id)
             if seq.cached_tokens is None:
                 seq.cached_tokens = min(seq.prefill_start, len(seq.prompt_ids))
-            budget -= seq.length - seq.prefill_start
+            seq.in_prefill = True
+            self.prefilling[seq.request_id] = seq
+            budget -= self._plan_chunk(seq, budget)
             reserve += self.blocks.needs_page(seq.request_id)
             self.running[seq.request_id] = seq
             admitted.append(seq)
         return admitted
+
+    def _plan_chunk(self, seq: Sequence, budget: int) -> int:
+        """Give seq this step's chunk: as much of its prompt as `budget` allows. The full pages the
+        chunk completes become cached now (this step's prefill writes them before any reader's
+        attention reads them). Returns the chunk's token count."""
+        seq.prefill_end = min(seq.length, seq.prefill_start + budget)
+        self.chunks.append(seq)
+        if seq.prefill_end == seq.length:  # its last chunk: it samples its first token and decodes this step
+            seq.in_prefill = False
+            self.prefilling.pop(seq.request_id, None)
+        hashes = self._hashes(seq)
+        page_size = self.blocks.page_size
+        for index in range(seq.prefill_start // page_size, min(len(hashes), seq.prefill_end // page_size)):
+            self.blocks.cache_page(seq.request_id, index, hashes[index])
+        return seq.prefill_end - seq.prefill_start
 
     def _hashes(self, seq: Sequence) -> list[bytes]:
         """The chain hashes of seq's full pages (extended as it grows); none without prefix
@@ -219,7 +257,7 @@ class Scheduler:
     def reserve_decode(self) -> list[Sequence]:
         """Room for one more position of every running sequence. Returns the sequences preempted
         for it (newest first): they are back at the front of the queue, oldest first."""
-        preempted, grown = self.blocks.reserve_step(list(self.running))
+        preempted, grown = self.blocks.reserve_step(list(self.running), self.prefilling.keys())
         for request_id in grown:
             pages = self.blocks.block_table(request_id)
             self._edit(self.running[request_id].slot, len(pages) - 1, pages[-1:])
@@ -227,7 +265,7 @@ class Scheduler:
         for request_id in preempted:
             seq = self.running.pop(request_id)
             self._release_slot(seq)
-            self.waiting.appendleft(seq)
+            self.waiting.appendleft(seq)  # its prefill starts over (after what is cached) when admitted again
             out.append(seq)
         self.num_preempted += len(out)
         if self.prefix_caching:
@@ -238,7 +276,7 @@ class Scheduler:
         """The pages this step's decode fills (its write is a page's last position) become cached."""
         page_size = self.blocks.page_size
         for seq in self.running.values():
-            if seq.length % page_size == 0 and seq.cache_salt is not None:
+            if seq.length % page_size == 0 and seq.cache_salt is not None and not seq.in_prefill:
                 hashes = self._hashes(seq)
                 self.blocks.cache_page(seq.request_id, len(hashes) - 1, hashes[-1])
 
@@ -253,6 +291,8 @@ class Scheduler:
 
     def _release_slot(self, seq: Sequence) -> None:
         self.blocks.free(seq.request_id)
+        self.prefilling.pop(seq.request_id, None)
+        seq.in_prefill = False
         self.free_slots.append(seq.slot)
         self.free_slots.sort(reverse=True)
         seq.slot = -1

@@ -65,9 +65,10 @@ class DecodeInputs(NamedTuple):
 
 
 class PrefillInputs(NamedTuple):
-    """Sequences packed end to end (a preempted one again with its output so far), each from its
-    `prefill_start` (the positions before it are in cached pages): per token its id, position,
-    slot and adapter slot; per sequence the count of its tokens here."""
+    """Sequences packed end to end (a preempted one again with its output so far), each its chunk
+    from `prefill_start` to `prefill_end` (the positions before it are in its pages: a cached prefix
+    or earlier chunks): per token its id, position, slot and adapter slot; per sequence the count of
+    its tokens here."""
 
     tokens: list[int]
     positions: list[int]
@@ -78,12 +79,13 @@ class PrefillInputs(NamedTuple):
 
     @classmethod
     def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> PrefillInputs:
+        """Each sequence's chunk: its positions prefill_start to prefill_end."""
         return cls(
-            [t for s in seqs for t in s.token_ids[s.prefill_start :]],
-            [p for s in seqs for p in range(s.prefill_start, s.length)],
-            [s.slot for s in seqs for _ in range(s.prefill_start, s.length)],
-            [s.adapter_slot for s in seqs for _ in range(s.prefill_start, s.length)],
-            [s.length - s.prefill_start for s in seqs],
+            [t for s in seqs for t in s.token_ids[s.prefill_start : s.prefill_end]],
+            [p for s in seqs for p in range(s.prefill_start, s.prefill_end)],
+            [s.slot for s in seqs for _ in range(s.prefill_start, s.prefill_end)],
+            [s.adapter_slot for s in seqs for _ in range(s.prefill_start, s.prefill_end)],
+            [s.prefill_end - s.prefill_start for s in seqs],
             list(pages),
         )
 

@@ -1,0 +1,148 @@
+"""Chunked prefill through the engine (CPU, the tiny default model, fp32): with a step budget
+(`max_num_batched_tokens`) smaller than the prompts, long prompts go in over several steps while
+the running requests decode every step, and every request decodes exactly the tokens it decodes
+unchunked: greedy and seeded, chunk boundaries inside pages and across them, with prefix caching on
+and off, under page pressure (a sequence preempted between its chunks), with LoRA adapters, and on
+two tensor-parallel ranks (the follower gets the same chunks)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.lora_adapters import adapter_for
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
+from tests.unit.test_tp_startup import start_two_ranks
+from workers.modeling.default_model import default_model_dir
+from workers.modeling.lora import LoraLimits
+from workers.serving.engine import EngineConfig, LLMEngine, load_for_engine
+from workers.serving.sampling import SamplingParams
+from workers.tensor_parallel.shard import prepare_follower
+from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
+
+pytestmark = pytest.mark.timeout(180)
+PAGE = 4
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+RNG = random.Random(3)
+PROMPTS = [[RNG.randrange(1, 250) for _ in range(n)] for n in (37, 6, 23, 50, 9)]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[list[int]], list[list]]:
+    """Every request added at once and stepped to completion: each one's tokens, and each step's
+    events (request id, token count)."""
+    seqs = [engine.add_request(p, params) for p, params in requests]
+    steps = []
+    while engine.has_work():
+        steps.append([(e.request_id, len(e.token_ids)) for e in engine.step()])
+        assert len(steps) < 2000
+    return [s.output_ids for s in seqs], steps
+
+
+@pytest.mark.parametrize("budget", [5, 7, 13])
+@pytest.mark.parametrize("caching", [True, False], ids=["cached", "uncached"])
+def test_chunked_prefill_decodes_what_one_prefill_per_prompt_decodes(tiny, budget, caching):
+    """Budgets of 5, 7 and 13 tokens cut the prompts (6 to 50 tokens, pages of 4) inside pages and
+    across them; a shared prefix comes back from the cache in the middle of a chunked prompt."""
+    requests = [(p, GREEDY if i % 2 else SEEDED) for i, p in enumerate(PROMPTS)]
+    requests.append((PROMPTS[0][:30] + [7, 7, 7], GREEDY))  # shares 30 tokens with the first
+    whole = new_engine(tiny, max_num_seqs=8, kv_page_size=PAGE, enable_prefix_caching=caching)
+    chunked = new_engine(
+        tiny, max_num_seqs=8, kv_page_size=PAGE, enable_prefix_caching=caching, max_num_batched_tokens=budget
+    )
+    expected, _ = run(whole, requests)
+    got, steps = run(chunked, requests)
+    assert got == expected
+    assert chunked.stats.prefill_steps > whole.stats.prefill_steps
+
+
+def test_running_requests_decode_every_step_while_a_long_prompt_goes_in(tiny):
+    """With a budget of 8, a 50-token prompt takes at least 7 steps to prefill, and the request that
+    runs meanwhile gets a token at every one of them; the long one's first token comes after its
+    last chunk."""
+    engine = new_engine(tiny, max_num_seqs=4, kv_page_size=PAGE, max_num_batched_tokens=8)
+    running = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.step()
+    long = engine.add_request(PROMPTS[3], GREEDY)
+    steps = 0
+    while not long.output_ids:
+        events = {e.request_id: len(e.token_ids) for e in engine.step()}
+        steps += 1
+        assert events[running.request_id] == 1
+    assert steps >= -(-50 // 7)
+    while engine.has_work():
+        engine.step()
+    assert long.output_ids == run(new_engine(tiny, max_num_seqs=1), [(PROMPTS[3], GREEDY)])[0][0]
+
+
+def test_a_sequence_preempted_between_its_chunks_decodes_what_it_decodes_alone(tiny):
+    """A pool of 20 pages of 4 tokens: decodes run out of pages while prompts are still going in,
+    so sequences are preempted (some between two chunks) and prefilled again later."""
+    requests = [(p, GREEDY) for p in PROMPTS]
+    engine = new_engine(tiny, max_num_seqs=4, kv_page_size=PAGE, kv_cache_tokens=20 * PAGE, max_num_batched_tokens=9)
+    got, _ = run(engine, requests)
+    assert engine.scheduler.num_preempted > 0
+    for (prompt, params), tokens in zip(requests, got):
+        assert tokens == run(new_engine(tiny, max_num_seqs=1), [(prompt, params)])[0][0]
+
+
+def test_chunked_prefill_with_lora_adapters(tiny, tmp_path):
+    """Chunks of a request read its adapter's slot like a whole prefill does."""
+    adapter = adapter_for(tiny.model_dir, tmp_path / "a", seed=1)
+    limits = LoraLimits(max_loras=2, max_lora_rank=8)
+    requests = [(PROMPTS[0], GREEDY), (PROMPTS[3], GREEDY)]
+
+    def with_adapter(budget: int) -> list[list[int]]:
+        engine = new_engine(tiny, max_num_seqs=4, kv_page_size=PAGE, lora=limits, max_num_batched_tokens=budget)
+        seqs = [
+            engine.add_request(p, params, adapter=("a", str(adapter)) if i == 0 else None)
+            for i, (p, params) in enumerate(requests)
+        ]
+        while engine.has_work():
+            engine.step()
+        return [s.output_ids for s in seqs]
+
+    assert with_adapter(6) == with_adapter(1000)
+
+
+def config(model_dir: str, budget: int) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir,
+        max_num_seqs=4,
+        max_model_len=64,
+        device="cpu",
+        kv_page_size=PAGE,
+        max_num_batched_tokens=budget,
+    )
+
+
+def _serve(rank: int, port: int, model_dir: str) -> dict:
+    cpu = torch.device("cpu")
+    cfg = config(model_dir, budget=7)
+    tp = init_tp_group(rank, 2, f"tcp://127.0.0.1:{port}", cpu, timeout_s=15)
+    model, _, eos, revision = load_for_engine(cfg, cpu, tp)
+    channel = StepChannel(tp, cpu)
+    if rank == 1:
+        Follower(channel, prepare_follower(model, cfg)).follow()
+        return {}
+    engine = LLMEngine(model, cfg, eos, revision, channel=channel)
+    outputs, _ = run(engine, [(p, GREEDY) for p in PROMPTS[:4]])
+    engine.stop_followers()
+    return {"outputs": outputs}
+
+
+def test_two_ranks_prefill_the_same_chunks(tmp_path, monkeypatch):
+    """Rank 0 ships each chunk as a prefill of its own: two ranks chunking decode what one process
+    decodes without chunks."""
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path))
+    model_dir = str(default_model_dir())
+    results = start_two_ranks(model_dir, work=_serve)
+    engine, _ = LLMEngine.from_config(config(model_dir, budget=1000))
+    assert results[0]["outputs"] == run(engine, [(p, GREEDY) for p in PROMPTS[:4]])[0]
