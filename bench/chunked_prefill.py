@@ -42,6 +42,7 @@ def closed_loop(model: LlamaModel, budget: int, args: argparse.Namespace, long_e
         max_num_seqs=args.streams + 8,
         max_model_len=model.max_model_len,
         max_num_batched_tokens=budget,
+        kv_cache_tokens=args.kv_cache_tokens,  # one engine at a time, and no preemption for pages
         graph_policy=GraphPolicy(compile=False, decode_batch_buckets=tuple(args.buckets)),
         enable_prefix_caching=False,
     )
@@ -80,12 +81,14 @@ def closed_loop(model: LlamaModel, budget: int, args: argparse.Namespace, long_e
                 born.pop(e.request_id)
                 arrive()
     tpot = statistics.median(itl) if itl else float("nan")
-    return {
+    result = {
         "itl_ms_p99": p(itl, 0.99),
         "itl_ms_p50": tpot,
         "ttft_ms_long_p50": p(ttft_long, 0.5),
         "long_prompts": len(ttft_long),
+        "preemptions": engine.scheduler.num_preempted,
     }
+    return result
 
 
 def main() -> None:
@@ -98,9 +101,10 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=136)
     ap.add_argument("--short-output", type=int, default=256)
     ap.add_argument("--long-tokens", type=int, default=8000)
-    ap.add_argument("--long-output", type=int, default=64)
+    ap.add_argument("--long-output", type=int, default=256)
     ap.add_argument("--long-every", type=int, default=4)
-    ap.add_argument("--budgets", nargs="+", type=int, default=[8192, 2048, 1024, 512])
+    ap.add_argument("--budgets", nargs="+", type=int, default=[8192, 4096, 2048, 1024])
+    ap.add_argument("--kv-cache-tokens", type=int, default=1 << 19)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--out", required=True)
@@ -110,7 +114,9 @@ def main() -> None:
     rows = []
     for budget in args.budgets:
         mixed = closed_loop(model, budget, args, args.long_every)
+        free_device_memory(args.device)  # each engine's pool is gone before the next one's is allocated
         plain = closed_loop(model, budget, args, None)
+        free_device_memory(args.device)
         rows.append(
             {
                 "config": args.config,
@@ -120,7 +126,6 @@ def main() -> None:
                 "tpot_ms_no_long": plain["itl_ms_p50"],
             }
         )
-        free_device_memory(args.device)
     before = rows[0]["ttft_ms_long_p50"]
     for row in rows:
         row["ttft_ms_long_p50_before"] = before
@@ -130,14 +135,14 @@ def main() -> None:
     meta = {"device": device, "torch": torch.__version__, **{k: v for k, v in vars(args).items() if k != "out"}}
     lines = [
         "| config | budget | ITL p99 ms | ITL p99 no long ms | TPOT no long ms | ITL p99 / TPOT (target <= 1.5) "
-        "| long TTFT p50 ms | / before (target <= 1.2) | long prompts |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| long TTFT p50 ms | / before (target <= 1.2) | long prompts | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['budget']} | {r['itl_ms_p99']:.2f} | {r['itl_ms_p99_no_long']:.2f} "
             f"| {r['tpot_ms_no_long']:.2f} | {r['itl_x_tpot']:.2f} | {r['ttft_ms_long_p50']:.1f} "
-            f"| {r['ttft_x_before']:.2f} | {r['long_prompts']} |"
+            f"| {r['ttft_x_before']:.2f} | {r['long_prompts']} | {r['preemptions']} |"
         )
     note = (
         f"{args.streams} streams kept running ({args.short_tokens}-token prompts, {args.short_output} tokens); one new "
