@@ -10,17 +10,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from tests.lora_adapters import adapter_for
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
-from tests.unit.test_tp_startup import start_two_ranks
+from tests.unit.test_tp_startup import rank_engine, start_two_ranks
 from workers.modeling.default_model import default_model_dir
 from workers.modeling.lora import LoraLimits
-from workers.serving.engine import EngineConfig, LLMEngine, load_for_engine
+from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import SamplingParams
-from workers.tensor_parallel.shard import prepare_follower
-from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
 pytestmark = pytest.mark.timeout(180)
 PAGE = 4
@@ -124,15 +121,9 @@ def config(model_dir: str, budget: int) -> EngineConfig:
 
 
 def _serve(rank: int, port: int, model_dir: str) -> dict:
-    cpu = torch.device("cpu")
-    cfg = config(model_dir, budget=7)
-    tp = init_tp_group(rank, 2, f"tcp://127.0.0.1:{port}", cpu, timeout_s=15)
-    model, _, eos, revision = load_for_engine(cfg, cpu, tp)
-    channel = StepChannel(tp, cpu)
-    if rank == 1:
-        Follower(channel, prepare_follower(model, cfg)).follow()
+    engine = rank_engine(rank, port, config(model_dir, budget=7))
+    if engine is None:
         return {}
-    engine = LLMEngine(model, cfg, eos, revision, channel=channel)
     outputs, _ = run(engine, [(p, GREEDY) for p in PROMPTS[:4]])
     engine.stop_followers()
     return {"outputs": outputs}

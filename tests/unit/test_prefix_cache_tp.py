@@ -6,14 +6,11 @@ on two ranks what one process decodes with caching off."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.unit.test_tp_startup import start_two_ranks
+from tests.unit.test_tp_startup import rank_engine, start_two_ranks
 from workers.modeling.default_model import default_model_dir
-from workers.serving.engine import EngineConfig, LLMEngine, load_for_engine
+from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import SamplingParams
-from workers.tensor_parallel.shard import prepare_follower
-from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
 pytestmark = pytest.mark.timeout(120)
 SYSTEM = list(range(30, 52))  # 22 tokens: five full pages of 4
@@ -41,15 +38,9 @@ def serve_in_turn(engine: LLMEngine) -> tuple[list[list[int]], list[int]]:
 
 
 def _serve(rank: int, port: int, model_dir: str) -> dict:
-    cpu = torch.device("cpu")
-    cfg = config(model_dir, caching=True)
-    tp = init_tp_group(rank, 2, f"tcp://127.0.0.1:{port}", cpu, timeout_s=15)
-    model, _, eos, revision = load_for_engine(cfg, cpu, tp)
-    channel = StepChannel(tp, cpu)
-    if rank == 1:
-        Follower(channel, prepare_follower(model, cfg)).follow()
+    engine = rank_engine(rank, port, config(model_dir, caching=True))
+    if engine is None:
         return {}
-    engine = LLMEngine(model, cfg, eos, revision, channel=channel)
     outputs, cached = serve_in_turn(engine)
     engine.stop_followers()
     return {"outputs": outputs, "cached": cached}

@@ -96,6 +96,19 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     return {"report": engine.runner.report(), "replayed": dict(engine.runner.replayed), "parts": parts}
 
 
+def rank_engine(rank: int, port: int, cfg: EngineConfig) -> LLMEngine | None:
+    """In a rank's process: join the two-rank gloo group and load cfg's shard. Rank 1 follows
+    rank 0's steps until told to stop, then gets None; rank 0 gets the engine that leads them."""
+    cpu = torch.device("cpu")
+    tp = init_tp_group(rank, 2, f"tcp://127.0.0.1:{port}", cpu, timeout_s=15)
+    model, _, eos, revision = load_for_engine(cfg, cpu, tp)
+    channel = StepChannel(tp, cpu)
+    if rank == 1:
+        Follower(channel, workers.tensor_parallel.shard.prepare_follower(model, cfg)).follow()
+        return None
+    return LLMEngine(model, cfg, eos, revision, channel=channel)
+
+
 def start_two_ranks(arg, work=_start_and_serve) -> dict[int, dict]:
     """Both ranks' results of work(rank, port, arg) (default: start up and serve); the test fails
     with a rank's error, as soon as a rank dies (gloo aborts a process on a collective mismatch), or
