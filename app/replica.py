@@ -32,6 +32,7 @@ from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
+from workers.front.async_engine import EngineDeadError, RequestFailed
 from workers.modeling.lora import LoraLimits
 from workers.protocol import (
     ChoiceChunk,
@@ -47,7 +48,6 @@ from workers.protocol import (
     decode_request,
     encode,
 )
-from workers.serving.async_engine import EngineDeadError, RequestFailed
 from workers.serving.engine import EngineConfig, EngineStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull

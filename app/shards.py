@@ -23,12 +23,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
+from workers.front.async_engine import EngineDeadError
+from workers.front.engine_process import EngineProcess
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import model_dir
 from workers.protocol import CheckAdapter, EngineRequest, Gate, StreamEvent, SwapInPlace
-from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig, EngineStatus
-from workers.serving.engine_process import EngineProcess
 from workers.serving.model_gate import same_shapes
 from workers.tensor_parallel.shard import ShardWorker
 
@@ -55,7 +55,7 @@ def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
 
 class LocalEngine:
     """tensor_parallel_size 1: no actors; the step loop runs in a child process of the replica
-    (`workers/serving/engine_process.py` says why not in a thread).
+    (`workers/front/engine_process.py` says why not in a thread).
 
     A child that dies, or does not answer within timeout_s (then it is killed), is started again in
     place while the restart budget allows; requests wait for it in `wait_ready`. Once the budget is

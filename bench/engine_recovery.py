@@ -35,7 +35,7 @@ def engine_pids() -> set[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if b"workers.serving.engine_process" in (proc / "cmdline").read_bytes().split(b"\0"):
+                if b"workers.front.engine_process" in (proc / "cmdline").read_bytes().split(b"\0"):
                     pids.add(int(proc.name))
             except OSError:
                 continue

@@ -201,7 +201,7 @@ def serve_pids() -> dict[str, int]:
     pids = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "workers.serving.engine_process" in cmd:
+        if "workers.front.engine_process" in cmd:
             pids["engine"] = p.info["pid"]
         for role, title in PROCESS_TITLES.items():
             if cmd.startswith("ray::") and title in cmd.split(" ")[0]:

@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from workers.front.async_engine import AsyncEngine
 from workers.modeling.config import CheckpointError
 from workers.modeling.lora import LoraLimits
-from workers.serving.async_engine import AsyncEngine
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.sampling import InvalidRequest, SamplingParams
 

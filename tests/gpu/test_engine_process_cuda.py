@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from policies.graph_policy import GraphPolicy
+from workers.front.engine_process import EngineProcess
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import default_model_dir
 from workers.protocol import Coalescing
 from workers.serving.engine import EngineConfig, LLMEngine
-from workers.serving.engine_process import EngineProcess
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

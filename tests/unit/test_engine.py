@@ -16,8 +16,8 @@ import torch
 
 from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, run_sync
+from workers.front.async_engine import AsyncEngine, EngineDeadError
 from workers.protocol import Coalescing
-from workers.serving.async_engine import AsyncEngine, EngineDeadError
 from workers.serving.engine import LLMEngine
 from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.scheduler import QueueFull

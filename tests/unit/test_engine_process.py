@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
+from workers.front.async_engine import EngineDeadError
+from workers.front.engine_process import EngineProcess
 from workers.modeling.config import CheckpointError
 from workers.protocol import Coalescing
-from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig
-from workers.serving.engine_process import EngineProcess
 from workers.serving.grammar import InvalidSchema, canonical_schema
 from workers.serving.sampling import SamplingParams
 
@@ -237,7 +237,7 @@ def test_child_exits_when_its_parent_dies(tiny, tmp_path):
     """A parent killed without any cleanup (SIGKILL) leaves no engine behind holding the device."""
     script = textwrap.dedent(f"""
         from workers.serving.engine import EngineConfig
-        from workers.serving.engine_process import EngineProcess
+        from workers.front.engine_process import EngineProcess
         engine = EngineProcess(EngineConfig(model={str(tiny.model_dir)!r}, max_model_len=64, device="cpu"), None)
         print(engine.process.pid, flush=True)
         import time; time.sleep(600)

@@ -18,10 +18,10 @@ import pytest
 from app.shards import LocalEngine
 from policies.restarts import RestartBudget
 from tests.unit.engine_fixtures import Tiny, load_tiny
+from workers.front.async_engine import EngineDeadError
+from workers.front.engine_process import EngineProcess, child_environment
 from workers.protocol import EngineRequest
-from workers.serving.async_engine import EngineDeadError
 from workers.serving.engine import EngineConfig
-from workers.serving.engine_process import EngineProcess, child_environment
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
-from workers.serving.async_engine import AsyncEngine
+from workers.front.async_engine import AsyncEngine
 from workers.serving.engine import EngineConfig, LLMEngine
 from workers.serving.grammar import GrammarCompiler, InvalidSchema, canonical_schema
 from workers.serving.sampling import InvalidRequest, SamplingParams

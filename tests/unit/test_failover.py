@@ -18,6 +18,7 @@ import pytest
 from app.failover import MAX_FAILOVERS, FailoverRouter, Progress, avoided, continuation
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from tests.unit.test_detokenizer import random_chunks
+from workers.front.async_engine import AsyncEngine
 from workers.protocol import (
     ChoiceChunk,
     Continuation,
@@ -31,7 +32,6 @@ from workers.protocol import (
     decode_request,
     encode,
 )
-from workers.serving.async_engine import AsyncEngine
 from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
 from workers.serving.grammar import canonical_schema
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.front.engine_process import child_environment
 from workers.graphs import fault_injection
-from workers.serving.engine_process import child_environment
 
 
 def replays() -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
-from workers.serving.async_engine import AsyncEngine, RequestFailed
+from workers.front.async_engine import AsyncEngine, RequestFailed
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 import torch
 
 from policies.dispatch import FallbackReason
+from workers.front.async_engine import AsyncEngine
 from workers.graphs.graph_runner import StepRunners
 from workers.modeling.model import LlamaModel
 from workers.protocol import EngineRequest, StreamEvent
-from workers.serving.async_engine import AsyncEngine
 from workers.serving.engine import (
     EngineConfig,
     EngineStatus,

@@ -6,7 +6,7 @@ process shares its interpreter lock and waits for it between steps: on the H200,
 own the step loop has a lock to itself. Commands go down one pipe; each step's events for all
 requests come back up another as one message. The child exits when the parent goes away (its end of
 the command pipe closes), so it never outlives its replica holding the GPU. It is a fresh
-interpreter (`python -m workers.serving.engine_process`), not a fork: a forked child cannot use CUDA, and
+interpreter (`python -m workers.front.engine_process`), not a fork: a forked child cannot use CUDA, and
 nothing of the parent's main module runs again in it.
 """
 
@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from workers.front.async_engine import EngineDeadError, StreamFront, run_step_loop
 from workers.graphs import fault_injection
 from workers.modeling.default_model import DEFAULT_MODEL_ENV
 from workers.protocol import (
@@ -42,7 +43,6 @@ from workers.protocol import (
     Stop,
     SwapInPlace,
 )
-from workers.serving.async_engine import EngineDeadError, StreamFront, run_step_loop
 from workers.serving.engine import EngineConfig, EngineStatus, LLMEngine
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 
@@ -121,7 +121,7 @@ class EngineProcess(StreamFront):
         child_commands, commands = os.pipe()
         events, child_events = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "workers.serving.engine_process", str(child_commands), str(child_events)],
+            [sys.executable, "-m", "workers.front.engine_process", str(child_commands), str(child_events)],
             pass_fds=(child_commands, child_events),
             env=child_environment(dict(os.environ)),
         )
