@@ -105,11 +105,15 @@ def seeded_decode_batch(engine: LLMEngine, batch_size: int, context: int, max_to
         engine.add_request(torch.randint(0, vocab, (context - 1,), generator=g).tolist(), params)
         for _ in range(batch_size)
     ]
-    while engine.scheduler.waiting:
-        assert engine.scheduler.admit(), "the KV pool cannot hold this batch"
+    while engine.scheduler.waiting:  # admitted over as many calls as the step budget takes
+        assert engine.scheduler.admit() or engine.scheduler.chunks, "the KV pool cannot hold this batch"
     engine.cache.set_pages(engine.scheduler.take_edits())
-    for seq in seqs:
+    for seq in seqs:  # as if prefilled whole (no chunk is left for the engine to prefill)
+        seq.prefill_start = seq.prefill_end = seq.length
+        seq.in_prefill = False
         seq.output_ids.append(int(torch.randint(0, vocab, (1,), generator=g)))
+    engine.scheduler.prefilling.clear()
+    engine.scheduler.chunks = []
     return seqs
 
 
