@@ -416,8 +416,9 @@ class Ingress:
         have served it lately (so hold it in a slot)."""
         deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
         llm = self.llm.options(multiplexed_model_id=adapter) if adapter else self.llm
+        data = encode(payload)  # once: a swapping replica's refusal sends the same bytes again
         while True:
-            items = llm.generate.remote(encode(payload))
+            items = llm.generate.remote(data)
             try:
                 first = await anext(_items(items), None)
             except BaseException:  # the client went away before the first token: end the request there too
