@@ -48,7 +48,8 @@ from workers.protocol import (
     decode_request,
     encode,
 )
-from workers.serving.engine import EngineConfig, EngineStatus
+from workers.serving.engine import EngineStatus
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull
 

@@ -25,12 +25,13 @@ from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.front.async_engine import EngineDeadError
 from workers.front.engine_process import EngineProcess
+from workers.front.shard_worker import ShardWorker
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import model_dir
 from workers.protocol import CheckAdapter, EngineRequest, Gate, StreamEvent, SwapInPlace
-from workers.serving.engine import EngineConfig, EngineStatus
+from workers.serving.engine import EngineStatus
+from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import same_shapes
-from workers.tensor_parallel.shard import ShardWorker
 
 log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0

@@ -28,7 +28,8 @@ from bench.prefix_cache import bench_model, free_device_memory, random_tokens
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.model import LlamaModel
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 

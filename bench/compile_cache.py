@@ -23,7 +23,8 @@ def start_once(config: str, max_model_len: int, cache_dir: str) -> dict:
     """One engine start with compile in this process: its compile and startup seconds."""
     from policies.graph_policy import GraphPolicy
     from workers.modeling.default_model import random_model
-    from workers.serving.engine import EngineConfig, LLMEngine
+    from workers.serving.engine import LLMEngine
+    from workers.serving.engine_config import EngineConfig
 
     t0 = time.perf_counter()
     model = random_model(config, max_model_len, "cuda")

@@ -28,7 +28,8 @@ from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import random_model, write_random_adapter
 from workers.modeling.lora import LoraLimits
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 MAX_MODEL_LEN = 8192  # as a server is configured: long max_model_len, short live contexts

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from workers.modeling.default_model import random_model
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 WAVES = (1, 2, 3, 5, 8, 13, 21, 32)

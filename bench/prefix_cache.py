@@ -34,7 +34,8 @@ from policies.graph_policy import GraphPolicy
 from workers.modeling.checkpoint import load_model
 from workers.modeling.default_model import random_model, tiny_hf_config, write_checkpoint
 from workers.modeling.model import LlamaModel
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 SYSTEM_TOKENS = 256  # the multi-turn chats' shared system prompt

@@ -22,7 +22,8 @@ from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import cache_dir, smollm2_file
 from workers.modeling.gguf import converted
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 PROMPTS = [

@@ -72,7 +72,8 @@ def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, f
 
 
 def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: int) -> dict:
-    from workers.serving.engine import EngineConfig, LLMEngine
+    from workers.serving.engine import LLMEngine
+    from workers.serving.engine_config import EngineConfig
     from workers.serving.sampling import SamplingParams
 
     engine, tokenizer = LLMEngine.from_config(EngineConfig(model=model_dir, max_model_len=max_model_len))

@@ -309,7 +309,8 @@ def main() -> None:
 
     from policies.graph_policy import GraphPolicy
     from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, tiny_hf_config, write_checkpoint
-    from workers.serving.engine import EngineConfig, LLMEngine
+    from workers.serving.engine import LLMEngine
+    from workers.serving.engine_config import EngineConfig
 
     work = Path(tempfile.mkdtemp())
     model_dir = work / f"llama-{args.config}-random"

@@ -23,7 +23,8 @@ from bench.decode_tpot import long_context_tpot, percentile, seeded_decode_batch
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import random_model
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 
 CONTEXT = 256
 

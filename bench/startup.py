@@ -160,7 +160,8 @@ def tpot_once(config: str, variant: str, steps: int) -> dict:
     from policies.graph_policy import GraphPolicy
     from workers.graphs import graph_runner
     from workers.modeling.default_model import random_model
-    from workers.serving.engine import EngineConfig, LLMEngine
+    from workers.serving.engine import LLMEngine
+    from workers.serving.engine_config import EngineConfig
 
     if variant == "per_shape":
         graph_runner.CompiledStep = PerShapeStep

@@ -41,7 +41,8 @@ from bench.json_schemas import DOCUMENTS
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import random_model, smollm2_file
-from workers.serving.engine import EngineConfig, LLMEngine, resolve_device
+from workers.serving.engine import LLMEngine, resolve_device
+from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import GrammarCompiler, MaskFiller, canonical_schema
 from workers.serving.sampling import SamplingParams
 

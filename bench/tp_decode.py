@@ -3,7 +3,7 @@ TP = 2, eager and full CUDA graphs, each rank's captured buckets, and rank 0's c
 
 Each rank is a process of its own with its own GPU, NCCL between them: rank 0 runs the engine and
 hands each model call to the other ranks over the step channel, which replay the same bucket (the
-serving path of `workers/tensor_parallel/shard.py`, without Ray around it). Random bf16 weights of a real shape.
+serving path of `workers/front/shard_worker.py`, without Ray around it). Random bf16 weights of a real shape.
 Control cost is the host time rank 0 spends in `StepChannel.send` per step (the header and inputs
 broadcast before each replay); TP = 1 runs without a channel, as a TP = 1 replica does.
 
@@ -26,10 +26,11 @@ import torch.multiprocessing as mp
 
 from bench.decode_tpot import PROMPT_LEN, engine_tpot, percentile
 from policies.graph_policy import GraphPolicy
+from workers.front.shard_worker import prepare_follower
 from workers.modeling.default_model import random_model
-from workers.serving.engine import EngineConfig, LLMEngine
-from workers.tensor_parallel.shard import prepare_follower
-from workers.tensor_parallel.tp import StepChannel, follow, init_tp_group
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
+from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
 WARMUP_STEPS = 20
 
@@ -57,10 +58,10 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
             max_num_seqs=max(args.batch_sizes), max_model_len=model.max_model_len, graph_policy=GraphPolicy(mode=mode)
         )
         if rank > 0:
-            runner = prepare_follower(model, config)
-            follow(StepChannel(tp, device), runner)
-            results.put(dict(rank=rank, mode=mode, buckets=runner.report()))
-            del runner
+            runners = prepare_follower(model, config)
+            Follower(StepChannel(tp, device), runners).follow()
+            results.put(dict(rank=rank, mode=mode, buckets=runners.base.report()))
+            del runners
         else:
             channel = TimedChannel(tp, device) if world > 1 else None
             engine = LLMEngine(model, config, channel=channel)

@@ -11,7 +11,8 @@ from pathlib import Path
 from workers.front.async_engine import AsyncEngine
 from workers.modeling.config import CheckpointError
 from workers.modeling.lora import LoraLimits
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams
 
 

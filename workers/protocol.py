@@ -27,7 +27,8 @@ import msgspec
 
 from policies.dispatch import FallbackReason
 from workers.serving.detokenizer import DetokState
-from workers.serving.engine import EngineConfig, EngineStatus, LLMEngine, TokenEvent
+from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams, TokenLogprob
 from workers.serving.scheduler import RequestLimits, Sequence
 

@@ -18,7 +18,8 @@ from tests.gpu.test_graph_runner import make_engine, requests, run
 from workers.graphs.compile_cache import KEY_FILE
 from workers.modeling.lora import LoraLimits
 from workers.modeling.lora_kernels import MAX_ROWS
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from policies.graph_policy import GraphPolicy
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

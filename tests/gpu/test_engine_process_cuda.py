@@ -12,7 +12,8 @@ from workers.front.engine_process import EngineProcess
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import default_model_dir
 from workers.protocol import Coalescing
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -18,7 +18,8 @@ from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
 from workers.graphs.graph_runner import GraphRunner
 from workers.kv.kv_cache import SCRATCH_PAGE
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,8 @@ from tests.lora_adapters import adapter_for
 from workers.graphs.graph_runner import GraphRunner
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.modeling.lora import LoraLimits
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 
 pytestmark = pytest.mark.gpu
 BUCKETS = (1, 2, 4, 8, 40)  # 40: at or above SLOT_GROUP_ROWS, the kernels' programs take a slot each

@@ -10,7 +10,7 @@ import torch
 
 from workers.modeling import lora_kernels
 from workers.modeling.lora import LinearLora, LoraBatch
-from workers.tensor_parallel.parallel import ColumnParallelLinear, TPGroup
+from workers.modeling.parallel import ColumnParallelLinear, TPGroup
 
 pytestmark = pytest.mark.gpu
 

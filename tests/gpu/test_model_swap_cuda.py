@@ -16,7 +16,8 @@ from policies.graph_policy import GraphPolicy
 from tests.gpu.test_graph_runner import requests, run
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving import model_gate
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import GateFailed, swap_weights_in_place
 
 pytestmark = pytest.mark.gpu

@@ -24,7 +24,8 @@ from tests.gpu.test_graph_runner import (
     step,
 )
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,8 @@ from policies.graph_policy import GraphPolicy
 from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 from workers.modeling.checkpoint import load_model
 from workers.modeling.default_model import default_model_dir
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from workers.protocol import EngineRequest
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

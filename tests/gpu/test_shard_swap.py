@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.protocol import EngineRequest
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from policies.graph_policy import GraphPolicy
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import canonical_schema
 from workers.serving.sampling import SamplingParams
 

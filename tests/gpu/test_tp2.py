@@ -13,7 +13,8 @@ import torch
 
 from policies.graph_policy import GraphPolicy
 from workers.protocol import EngineRequest
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = [

@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from tests.integration.helpers import API_KEYS, running_app
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)

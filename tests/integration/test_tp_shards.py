@@ -11,7 +11,8 @@ from app.shards import ShardGroup
 from tests.unit.conftest import make_hf_checkpoint
 from workers.modeling.default_model import build_byte_tokenizer
 from workers.protocol import Coalescing, EngineRequest
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 STEPS = 32

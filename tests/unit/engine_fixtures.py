@@ -14,7 +14,8 @@ import pytest
 
 from workers.modeling.default_model import default_model_dir
 from workers.modeling.model import LlamaModel
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 TINY_MAX_MODEL_LEN = 64

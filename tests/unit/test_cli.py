@@ -13,7 +13,8 @@ import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from workers.__main__ import main
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)

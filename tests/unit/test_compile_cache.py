@@ -14,14 +14,15 @@ import torch
 
 import workers.graphs.compile_cache as compile_cache
 from policies.graph_policy import GraphPolicy
-from workers.graphs.compile_cache import KEY_FILE, cache_key, key_inputs, use_compile_cache
+from workers.graphs.compile_cache import KEY_FILE, cache_key, use_compile_cache
 from workers.kv.attention import make_backend
 from workers.modeling.config import parse_config
 from workers.modeling.default_model import tiny_hf_config
 from workers.modeling.lora import LoraLimits
 from workers.modeling.model import LlamaModel
-from workers.serving.engine import EngineConfig
-from workers.tensor_parallel.parallel import TPGroup
+from workers.modeling.parallel import TPGroup
+from workers.serving.compile_key import key_inputs
+from workers.serving.engine_config import EngineConfig
 
 BASE = EngineConfig(max_num_seqs=8, max_model_len=64, device="cpu")
 

@@ -13,7 +13,8 @@ from tests.unit.graph_faults import EagerGraphRunner
 from workers.graphs.compile_cache import KEY_FILE
 from workers.modeling.checkpoint import load_model
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 BUCKETS = (1, 2, 4, 8)

@@ -18,7 +18,8 @@ from tests.unit.engine_fixtures import Tiny, load_tiny
 from tests.unit.graph_faults import EagerGraphRunner
 from workers.modeling.checkpoint import load_model
 from workers.modeling.lora import LoraLimits
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -21,7 +21,7 @@ from workers.front.async_engine import EngineDeadError
 from workers.front.engine_process import EngineProcess
 from workers.modeling.config import CheckpointError
 from workers.protocol import Coalescing
-from workers.serving.engine import EngineConfig
+from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import InvalidSchema, canonical_schema
 from workers.serving.sampling import SamplingParams
 
@@ -236,7 +236,7 @@ def test_bad_checkpoint_raises_the_childs_error(tmp_path, tiny):
 def test_child_exits_when_its_parent_dies(tiny, tmp_path):
     """A parent killed without any cleanup (SIGKILL) leaves no engine behind holding the device."""
     script = textwrap.dedent(f"""
-        from workers.serving.engine import EngineConfig
+        from workers.serving.engine_config import EngineConfig
         from workers.front.engine_process import EngineProcess
         engine = EngineProcess(EngineConfig(model={str(tiny.model_dir)!r}, max_model_len=64, device="cpu"), None)
         print(engine.process.pid, flush=True)

@@ -21,7 +21,7 @@ from tests.unit.engine_fixtures import Tiny, load_tiny
 from workers.front.async_engine import EngineDeadError
 from workers.front.engine_process import EngineProcess, child_environment
 from workers.protocol import EngineRequest
-from workers.serving.engine import EngineConfig
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)

@@ -14,7 +14,8 @@ import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.front.async_engine import AsyncEngine
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import GrammarCompiler, InvalidSchema, canonical_schema
 from workers.serving.sampling import InvalidRequest, SamplingParams
 

@@ -14,7 +14,8 @@ from workers.modeling import default_model
 from workers.modeling.config import CheckpointError
 from workers.modeling.default_model import DEFAULT_MODEL_ENV, SMOLLM2_NAME, model_dir, model_name, smollm2_file
 from workers.modeling.gguf import converted
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -13,7 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import GateFailed, run_gate, same_shapes, swap_weights_in_place
 from workers.serving.sampling import SamplingParams
 

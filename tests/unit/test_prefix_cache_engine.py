@@ -23,7 +23,8 @@ from workers.front.async_engine import AsyncEngine
 from workers.modeling.checkpoint import load_model
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.modeling.lora import LoraLimits
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import swap_weights_in_place
 from workers.serving.sampling import SamplingParams
 from workers.serving.scheduler import Sequence

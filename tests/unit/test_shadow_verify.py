@@ -14,7 +14,7 @@ from policies.graph_policy import GraphPolicy
 from tests.kv_pages import assign_pages
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from tests.unit.graph_faults import EagerGraphRunner
-from workers.serving.step_inputs import DecodeInputs
+from workers.model_runner.step_inputs import DecodeInputs
 
 EVERY = 3
 

@@ -12,7 +12,8 @@ import workers.serving.engine
 from policies.graph_policy import GraphPolicy
 from tests.unit.engine_fixtures import TINY_MAX_MODEL_LEN, Tiny, load_tiny
 from tests.unit.graph_faults import EagerGraphRunner
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.startup import PHASES, StartupClock
 
 

@@ -15,11 +15,11 @@ import torch.multiprocessing as mp
 from policies.graph_policy import GraphPolicy
 from tests.kv_pages import page_edits
 from tests.unit.conftest import make_hf_checkpoint
+from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
 from workers.modeling.checkpoint import load_model
 from workers.modeling.lora import load_adapter
+from workers.modeling.parallel import TPGroup
 from workers.serving.engine import make_runners
-from workers.serving.step_inputs import DecodeInputs, PrefillInputs
-from workers.tensor_parallel.parallel import TPGroup
 from workers.tensor_parallel.tp import DECODE, PREFILL, STOP, Follower, StepChannel, init_tp_group
 
 STEPS = 32

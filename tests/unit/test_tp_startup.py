@@ -21,12 +21,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import workers.front.shard_worker
 import workers.serving.engine
-import workers.tensor_parallel.shard
 from policies.graph_policy import GraphPolicy
 from tests.unit.graph_faults import EagerGraphRunner, nan_at_argmax
 from workers.modeling.default_model import default_model_dir
-from workers.serving.engine import EngineConfig, LLMEngine, load_for_engine
+from workers.serving.engine import LLMEngine, load_for_engine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
@@ -80,7 +81,7 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     workers.serving.engine.GraphRunner = stand_in  # this process only
     channel = StepChannel(tp, cpu)
     if rank == 1:
-        runners = workers.tensor_parallel.shard.prepare_follower(model, config)
+        runners = workers.front.shard_worker.prepare_follower(model, config)
         Follower(channel, runners).follow()
         return {"report": runners.base.report(), "replayed": dict(runners.base.replayed)}
     engine = LLMEngine(model, config, eos, revision, channel=channel)
@@ -104,7 +105,7 @@ def rank_engine(rank: int, port: int, cfg: EngineConfig) -> LLMEngine | None:
     model, _, eos, revision = load_for_engine(cfg, cpu, tp)
     channel = StepChannel(tp, cpu)
     if rank == 1:
-        Follower(channel, workers.tensor_parallel.shard.prepare_follower(model, cfg)).follow()
+        Follower(channel, workers.front.shard_worker.prepare_follower(model, cfg)).follow()
         return None
     return LLMEngine(model, cfg, eos, revision, channel=channel)
 

@@ -12,11 +12,12 @@ import torch
 
 import workers.tensor_parallel.tp
 from tests.unit.test_tp_startup import start_two_ranks
+from workers.front.shard_worker import prepare_follower
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.serving.engine import EngineConfig, LLMEngine, load_for_engine
+from workers.serving.engine import LLMEngine, load_for_engine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import GateFailed, swap_weights_in_place
 from workers.serving.sampling import SamplingParams
-from workers.tensor_parallel.shard import prepare_follower
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,9 +14,10 @@ from policies.graph_policy import GraphPolicy
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_sync
 from workers.graphs.graph_runner import GraphRunner
 from workers.kv.attention import SdpaDecode, SdpaVarlenDecode
-from workers.serving.engine import EngineConfig, LLMEngine
+from workers.model_runner.step_inputs import DecodeInputs
+from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
-from workers.serving.step_inputs import DecodeInputs
 
 pytestmark = pytest.mark.timeout(60)
 BOS = 256

@@ -43,7 +43,8 @@ from workers.protocol import (
     Stop,
     SwapInPlace,
 )
-from workers.serving.engine import EngineConfig, EngineStatus, LLMEngine
+from workers.serving.engine import EngineStatus, LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 
 log = logging.getLogger(__name__)

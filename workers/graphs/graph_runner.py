@@ -37,8 +37,8 @@ from workers.graphs.compiled_step import CompiledStep, graphs_compiled, no_recom
 from workers.graphs.shadow_verify import ShadowVerifier
 from workers.kv.attention import GraphSupport
 from workers.kv.kv_cache import KVCache, pages_needed
+from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
 from workers.modeling.model import LlamaModel
-from workers.serving.step_inputs import DecodeInputs, PrefillInputs
 
 log = logging.getLogger(__name__)
 MB = 1 << 20

@@ -1,1 +1,1 @@
-"""The paged KV cache and attention over it: the pool, its sizing, the attention backends and kernels."""
+"""The paged KV cache and attention over it: the pool, the attention backends and kernels."""

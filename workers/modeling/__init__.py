@@ -1,1 +1,2 @@
-"""The model and its checkpoints: the Llama module, checkpoint loading, configs, built-in models."""
+"""The model and its checkpoints: the Llama module, its tensor-parallel layers, checkpoint loading,
+configs, LoRA slots, built-in models."""

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from workers.modeling.config import CheckpointError, load_config
 from workers.modeling.model import LlamaModel
-from workers.tensor_parallel.parallel import TPGroup
+from workers.modeling.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from workers.modeling.config import ModelConfig, parse_config
 from workers.modeling.gguf import converted
 from workers.modeling.model import LlamaModel
-from workers.tensor_parallel.parallel import TPGroup
+from workers.modeling.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_ENV = "GRAPHSERVE_DEFAULT_MODEL"  # "smollm2" (the default) or "tiny"

@@ -37,12 +37,12 @@ from safetensors import safe_open
 from policies.lora_slots import LORA_TARGETS
 from workers.modeling import lora_kernels
 from workers.modeling.config import ModelConfig
-from workers.tensor_parallel.parallel import RowParallelLinear
+from workers.modeling.parallel import RowParallelLinear
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from workers.tensor_parallel.parallel import ColumnParallelLinear
+    from workers.modeling.parallel import ColumnParallelLinear
 
 # PEFT's module names -> (our module within a block, part of a fused layer)
 TARGETS: dict[str, tuple[str, int]] = {  # in LORA_TARGETS' order

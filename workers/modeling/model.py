@@ -19,7 +19,7 @@ from workers.kv.kv_cache import KVCache, pages_needed
 from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 from workers.modeling.config import ModelConfig
 from workers.modeling.lora import TARGETS, LoraBatch, LoraSlots
-from workers.tensor_parallel.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
+from workers.modeling.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

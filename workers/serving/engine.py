@@ -19,55 +19,31 @@ from policies.graph_policy import GraphPolicy
 from policies.kv_blocks import BlockManager
 from policies.lora_slots import AdapterKey, AdapterSlots
 from policies.prefix_hash import adapter_salt
-from workers.graphs.compile_cache import key_inputs, use_compile_cache
+from workers.graphs.compile_cache import use_compile_cache
 from workers.graphs.graph_runner import GraphRunner, StepRunners
 from workers.kv.attention import make_backend
 from workers.kv.kv_cache import KVCache
-from workers.kv.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
+from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
 from workers.modeling.checkpoint import load_model, load_tokenizer, model_revision
 from workers.modeling.config import DTYPES, ModelConfig, load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
-from workers.modeling.lora import AdapterError, LoraLimits, load_adapter
+from workers.modeling.lora import AdapterError, load_adapter
 from workers.modeling.model import LlamaModel
+from workers.modeling.parallel import TPGroup
 from workers.serving.batch_sampler import BatchSampler
+from workers.serving.compile_key import key_inputs
+from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import GrammarCompiler, InvalidSchema
+from workers.serving.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, apply_token_bitmask, sample
 from workers.serving.scheduler import QueueFull, Scheduler, Sequence, new_sequence
 from workers.serving.startup import StartupClock
 from workers.serving.stats import CallTimer, EngineStats
-from workers.serving.step_inputs import DecodeInputs, PrefillInputs
-from workers.tensor_parallel.parallel import TPGroup
 from workers.tensor_parallel.tp import AGREE, DECODE, EAGER, LORA_LOAD, NOOP, PREFILL, STOP, StepChannel, agree
 
 log = logging.getLogger(__name__)
 MB = 1 << 20
 COMPILE_WAIT_S = 0.01  # with nothing but grammars compiling, a step waits this long for one (no spinning)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None  # checkpoint directory; None = the embedded tiny default
-    model_revision: str | None = None  # the model's label; None = a content id of the checkpoint
-    gate_prompts_file: str | None = None  # JSON lines of {"prompt", "completion"} a swapped-in model must decode
-    max_num_seqs: int | None = None  # the batch limit; None = 256 on CUDA, 32 on CPU
-    max_model_len: int = 2048  # capped at the model's max_position_embeddings
-    max_waiting: int = 1024
-    max_num_batched_tokens: int = 8192
-    device: str = "auto"  # auto = cuda when present
-    dtype: str | None = None  # None = the checkpoint's
-    attention_backend: str = "auto"  # auto = triton on CUDA, sdpa elsewhere (`attention.py`)
-    kv_page_size: int = 16  # token positions per KV page
-    kv_cache_tokens: int | None = None  # the KV pool's size in tokens; None = from free memory
-    kv_cache_memory_fraction: float = 0.9  # of the device memory free after weights (`kv_sizing.py`)
-    compile_cache_dir: str | None = None  # compile caches, a subdirectory per key (`compile_cache.py`); None: /tmp
-    graph_policy: GraphPolicy = GraphPolicy()
-    lora: LoraLimits | None = None  # adapter slots; None: LoRA off, and it costs nothing
-    enable_prefix_caching: bool = True  # reuse the KV pages of a cached prompt prefix (`kv_blocks.py`)
-
-    def batch_limit(self, device: torch.device) -> int:
-        if self.max_num_seqs is not None:
-            return self.max_num_seqs
-        return 256 if device.type == "cuda" else 32
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from policies.dispatch import FallbackReason
+from workers.model_runner.step_inputs import PrefillInputs
 from workers.modeling.checkpoint import load_tokenizer, load_weights, model_revision
 from workers.modeling.config import load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
-from workers.serving.engine import EngineConfig, LLMEngine, eos_ids, grammar_compiler
+from workers.serving.engine import LLMEngine, eos_ids, grammar_compiler
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 from workers.serving.stats import EngineStats
-from workers.serving.step_inputs import PrefillInputs
 from workers.tensor_parallel.tp import CHECK_BUCKETS, PREFILL, SWAP_LOAD, restore_weights
 
 GOLDEN_PROMPTS = 4  # rows of one decode batch: a captured bucket of the smallest ladders

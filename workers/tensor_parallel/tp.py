@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
 from workers.modeling.checkpoint import load_weights
 from workers.modeling.lora import AdapterError, load_adapter
-from workers.serving.step_inputs import DecodeInputs, PrefillInputs
-from workers.tensor_parallel.parallel import TPGroup
+from workers.modeling.parallel import TPGroup
 
 if TYPE_CHECKING:
     from workers.graphs.graph_runner import StepRunners

@@ -1,5 +1,5 @@
 """The inputs of one model call, built once from the scheduler's sequences and handed as they are to
-the graph runner (which copies them into its static buffers) and to the tensor-parallel step
+the model runner (which copies them into its static buffers) and to the tensor-parallel step
 channel (which sends them as one list of ints). Each per-row input is added here, once, instead of
 in every place that builds, sends or unpacks a step: `adapters` is the LoRA slot each row reads
 (0: none, see `lora.py`).
@@ -13,11 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Rows
 from itertools import accumulate
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from workers.serving.scheduler import Sequence
+
+class ScheduledRow(Protocol):
+    """What a step reads of a scheduled sequence (the scheduler's `Sequence` is one): typed by its
+    shape, so this module depends on nothing above it."""
+
+    output_ids: list[int]
+    slot: int
+    adapter_slot: int
+    prefill_start: int
+    prefill_end: int
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
 
 
 def _on_device(rows: tuple[list[int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -35,7 +50,7 @@ class DecodeInputs(NamedTuple):
     pages: list[int] = []
 
     @classmethod
-    def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> DecodeInputs:
+    def of(cls, seqs: Rows[ScheduledRow], pages: Rows[int] = ()) -> DecodeInputs:
         return cls(
             [s.output_ids[-1] for s in seqs],
             [s.length - 1 for s in seqs],
@@ -78,7 +93,7 @@ class PrefillInputs(NamedTuple):
     pages: list[int] = []
 
     @classmethod
-    def of(cls, seqs: Rows[Sequence], pages: Rows[int] = ()) -> PrefillInputs:
+    def of(cls, seqs: Rows[ScheduledRow], pages: Rows[int] = ()) -> PrefillInputs:
         """Each sequence's chunk: its positions prefill_start to prefill_end."""
         return cls(
             [t for s in seqs for t in s.token_ids[s.prefill_start : s.prefill_end]],

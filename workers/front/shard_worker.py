@@ -19,15 +19,8 @@ from workers.front.async_engine import AsyncEngine
 from workers.graphs.graph_runner import StepRunners
 from workers.modeling.model import LlamaModel
 from workers.protocol import EngineRequest, StreamEvent
-from workers.serving.engine import (
-    EngineConfig,
-    EngineStatus,
-    LLMEngine,
-    load_for_engine,
-    make_runners,
-    prepare_model,
-    resolve_device,
-)
+from workers.serving.engine import EngineStatus, LLMEngine, load_for_engine, make_runners, prepare_model, resolve_device
+from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 
