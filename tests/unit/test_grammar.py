@@ -291,3 +291,26 @@ def test_the_sampler_fills_no_masks_for_a_batch_without_grammars(compiler, monke
     monkeypatch.setattr(sampler.masks, "fill", lambda *a: pytest.fail("filled a mask for a free batch"))
     sampler.sample(torch.randn(2, WIDTH), batch(compiler, sampler, [False, False]))
     assert sampler._bitmask is None
+
+
+def masked_beforehand(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """The logits with each constrained row's banned tokens at -inf already: what penalties and
+    logit_bias then do leaves -inf as it is, so a free sampler's draw from them is the reference."""
+    out = logits.clone()
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            out[i] = apply_reference(logits[i], allowed(seq.grammar))
+    return out
+
+
+@pytest.mark.parametrize("step", range(3))
+def test_a_constrained_row_draws_and_reports_what_a_free_row_draws_from_logits_masked_beforehand(compiler, step):
+    """Seeds, top-k/top-p, penalties, logit_bias and logprobs: the mask changes only which tokens
+    may be drawn, so the draw is the one the same row makes from logits already masked."""
+    g = torch.Generator().manual_seed(10 + step)
+    logits = torch.randn(len(SAMPLING) * 2, WIDTH, generator=g) * 3
+    mixed = [i % 3 != 1 for i in range(len(SAMPLING) * 2)]
+    sampler, free_sampler = (BatchSampler(16, WIDTH, torch.device("cpu")) for _ in range(2))
+    seqs = batch(compiler, sampler, mixed, logprobs=4)
+    expected = free_sampler.sample(masked_beforehand(logits, seqs), batch(compiler, free_sampler, [False] * 10, 4))
+    assert sampler.sample(logits, seqs) == expected
