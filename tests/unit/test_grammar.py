@@ -226,7 +226,7 @@ def test_apply_token_bitmask_bans_what_the_bitmask_leaves_out_and_only_in_its_ro
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 70, generator=g)
     bitmask = torch.tensor([[0b1010, -(1 << 31)]], dtype=torch.int32)  # tokens 1, 3 and 63; 64+ past the mask
-    out = apply_token_bitmask(logits, torch.tensor([1]), bitmask)
+    out = apply_token_bitmask(logits.clone(), torch.tensor([1]), bitmask)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert torch.equal(out[1], apply_reference(logits[1], {1, 3, 63}))
 
