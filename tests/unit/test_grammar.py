@@ -290,7 +290,7 @@ def test_the_sampler_fills_no_masks_for_a_batch_without_grammars(compiler, monke
     sampler = BatchSampler(16, WIDTH, torch.device("cpu"))
     monkeypatch.setattr(sampler.masks, "fill", lambda *a: pytest.fail("filled a mask for a free batch"))
     sampler.sample(torch.randn(2, WIDTH), batch(compiler, sampler, [False, False]))
-    assert sampler._bitmask is None
+    assert sampler.bitmasks is None
 
 
 def masked_beforehand(logits: torch.Tensor, seqs) -> torch.Tensor:
@@ -314,3 +314,17 @@ def test_a_constrained_row_draws_and_reports_what_a_free_row_draws_from_logits_m
     seqs = batch(compiler, sampler, mixed, logprobs=4)
     expected = free_sampler.sample(masked_beforehand(logits, seqs), batch(compiler, free_sampler, [False] * 10, 4))
     assert sampler.sample(logits, seqs) == expected
+
+
+def test_the_mask_buffers_are_kept_across_steps_and_a_smaller_batch_bans_only_in_its_rows(compiler):
+    sampler = BatchSampler(16, WIDTH, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    sampler.sample(torch.randn(10, WIDTH, generator=g), batch(compiler, sampler, [True] * 10))
+    buffers = sampler.bitmasks
+    seqs = batch(compiler, sampler, [False, False, True, False])
+    logits = torch.randn(4, WIDTH, generator=g)
+    before = logits.clone()
+    sampler.sample(logits, seqs)
+    assert sampler.bitmasks is buffers
+    assert torch.equal(logits[[0, 1, 3]], before[[0, 1, 3]])
+    assert torch.equal(logits[2], apply_reference(before[2], allowed(seqs[2].grammar)))
