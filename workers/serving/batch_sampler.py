@@ -52,7 +52,8 @@ class BitmaskBuffers:
     host, sent in one copy, applied by one launch.
 
     One buffer on each side, laid out alike: the row indices (room for every slot, rounded up to 4
-    so the bitmasks after them start 16-byte aligned), then one bitmask row per constrained row. On
+    so the bitmasks after them start 16-byte aligned, as every tensor of the kernel's warm-up was:
+    Triton compiles apart for a pointer that is not), then one bitmask row per constrained row. On
     CUDA the host buffer is pinned and the copy runs on a stream of its own, so it overlaps the step
     the device is still running; the main stream waits for the copy only where the masks are
     applied. No step allocates: the buffers are sized for every slot once.
@@ -63,8 +64,8 @@ class BitmaskBuffers:
         self.rows = 0
         self._offset = -(-num_slots // 4) * 4
         cuda = device.type == "cuda"
-        self.host = torch.empty(self._offset + num_slots * words, dtype=torch.int32, pin_memory=cuda)
-        self.device = torch.empty_like(self.host, device=device) if cuda else self.host
+        self.on_host = torch.empty(self._offset + num_slots * words, dtype=torch.int32, pin_memory=cuda)
+        self.on_device = torch.empty_like(self.on_host, device=device) if cuda else self.on_host
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._sent = torch.cuda.Event() if cuda else None  # the last copy has read the host buffer
         self._read = torch.cuda.Event() if cuda else None  # the last launch has read the device buffer
@@ -74,8 +75,8 @@ class BitmaskBuffers:
         if self._sent is not None:
             self._sent.synchronize()  # done long ago: the last step's tokens were read after it
         self.rows = len(rows)
-        self.host[: self.rows] = torch.tensor(rows, dtype=torch.int32)
-        return self._bitmask(self.host)
+        self.on_host[: self.rows] = torch.tensor(rows, dtype=torch.int32)
+        return self._bitmask(self.on_host)
 
     def send(self) -> None:
         """Copy what `stage` took and the bitmasks filled to the device (no copy off CUDA)."""
@@ -84,17 +85,17 @@ class BitmaskBuffers:
         size = self._offset + self.rows * self.words
         self._stream.wait_event(self._read)
         with torch.cuda.stream(self._stream):
-            self.device[:size].copy_(self.host[:size], non_blocking=True)
+            self.on_device[:size].copy_(self.on_host[:size], non_blocking=True)
         self._sent.record(self._stream)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the banned logits of the staged rows to -inf, in place."""
         if self._sent is None:
-            apply_token_bitmask(logits, self.device[: self.rows], self._bitmask(self.device))
+            apply_token_bitmask(logits, self.on_device[: self.rows], self._bitmask(self.on_device))
             return
         stream = torch.cuda.current_stream(logits.device)
         stream.wait_event(self._sent)
-        apply_token_bitmask(logits, self.device[: self.rows], self._bitmask(self.device))
+        apply_token_bitmask(logits, self.on_device[: self.rows], self._bitmask(self.on_device))
         self._read.record(stream)
 
     def _bitmask(self, buffer: torch.Tensor) -> torch.Tensor:
