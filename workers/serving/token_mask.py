@@ -3,8 +3,8 @@ plain-torch form every other device runs, and the tests hold the two to the same
 
 Why a kernel: unpacking the packed int32 words with torch ops takes about seven launches (shift,
 and, compare, gather of the rows, masked_fill, and an index_put that copies the whole logits),
-each writing an intermediate as wide as the vocabulary; after a replayed step the device runs them
-one after another at the pace the host launches them. Here each program takes one constrained row
+each reading and writing a tensor as wide as the vocabulary (16 MB apiece at 32 rows of 128k
+logits), and each a host launch of its own. Here each program takes one constrained row
 and a tile of its words, reads the row's index and words, and writes -inf over the banned logits in
 place: nothing else is read or written, and rows no grammar holds are never touched.
 """
