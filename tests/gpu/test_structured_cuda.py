@@ -1,7 +1,9 @@
 """response_format on a real GPU: the masks go through pinned host memory and are applied after the
 replayed graph, which stays as it was captured (rows under a schema replay like any other); a
 mixed batch gives its free rows exactly the tokens of a batch without schemas, and the constrained
-rows what the CPU draws for them (tiny default model, fp32)."""
+rows what the CPU draws for them (tiny default model, fp32). Below the engine: the mask kernel bans
+on CUDA what the torch ops ban on CPU, and the mask buffers, reused step after step with their copy
+on a stream of its own, give each step its own masks."""
 
 import json
 
@@ -9,10 +11,13 @@ import pytest
 import torch
 
 from policies.graph_policy import GraphPolicy
+from tests.unit.test_token_mask import SHAPES, random_case
+from workers.serving import token_mask
+from workers.serving.batch_sampler import BitmaskBuffers
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import canonical_schema
-from workers.serving.sampling import SamplingParams
+from workers.serving.sampling import SamplingParams, apply_token_bitmask
 
 pytestmark = pytest.mark.gpu
 SCHEMA = {
@@ -58,3 +63,39 @@ def test_a_mixed_batch_replays_its_graph_and_leaves_free_rows_unchanged(tmp_path
     assert mixed == on_cpu
     modes = {p["execution_mode"] for p in stats["decode_step_parts"]}
     assert modes == {"cuda_graph"}, stats["decode_step_parts"]
+
+
+@pytest.mark.parametrize(("width", "words"), [*SHAPES, (128256, 1536), (49152, 4008)])
+def test_the_kernel_bans_on_cuda_what_the_torch_ops_ban_on_cpu(width, words):
+    """(128256, 1536): the 1B shape's logits under SmolLM2's 49152 tokens, the columns past them banned."""
+    logits, rows, bitmask = random_case(width, words, seed=width + words)
+    on_cpu = apply_token_bitmask(logits.clone(), torch.tensor(rows), bitmask)
+    on_gpu = logits.cuda()
+    assert token_mask.available(on_gpu)
+    apply_token_bitmask(on_gpu, torch.tensor(rows, device="cuda"), bitmask.cuda())
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+
+
+def test_the_mask_buffers_reused_step_after_step_give_each_step_its_own_masks():
+    """No host sync between steps, and each step's launch queued behind slow matmuls: a copy that
+    overwrote the device buffer before the last launch read it, or a fill that overwrote the host
+    buffer under a copy still pending, would give some step another step's masks."""
+    device = torch.device("cuda")
+    slots, words, width = 16, 4008, 128256
+    buffers = BitmaskBuffers(slots, words, device)
+    g = torch.Generator().manual_seed(0)
+    slow = torch.randn(4096, 4096, device=device)
+    steps = []
+    for step in range(24):
+        rows = torch.randperm(slots, generator=g)[: 1 + step % slots].tolist()
+        bitmask = torch.randint(-(2**31), 2**31, (len(rows), words), dtype=torch.int32, generator=g)
+        buffers.stage(rows).copy_(bitmask)
+        buffers.send()
+        logits = torch.randn(slots, width, device=device)
+        before = logits.clone()
+        for _ in range(4):
+            torch.mm(slow, slow)
+        buffers.apply(logits)
+        steps.append((before, rows, bitmask, logits))
+    for before, rows, bitmask, logits in steps:
+        assert torch.equal(logits.cpu(), apply_token_bitmask(before.cpu(), torch.tensor(rows), bitmask))

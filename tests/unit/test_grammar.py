@@ -226,7 +226,7 @@ def test_apply_token_bitmask_bans_what_the_bitmask_leaves_out_and_only_in_its_ro
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 70, generator=g)
     bitmask = torch.tensor([[0b1010, -(1 << 31)]], dtype=torch.int32)  # tokens 1, 3 and 63; 64+ past the mask
-    out = apply_token_bitmask(logits, torch.tensor([1]), bitmask)
+    out = apply_token_bitmask(logits.clone(), torch.tensor([1]), bitmask)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert torch.equal(out[1], apply_reference(logits[1], {1, 3, 63}))
 
@@ -290,4 +290,41 @@ def test_the_sampler_fills_no_masks_for_a_batch_without_grammars(compiler, monke
     sampler = BatchSampler(16, WIDTH, torch.device("cpu"))
     monkeypatch.setattr(sampler.masks, "fill", lambda *a: pytest.fail("filled a mask for a free batch"))
     sampler.sample(torch.randn(2, WIDTH), batch(compiler, sampler, [False, False]))
-    assert sampler._bitmask is None
+    assert sampler.bitmasks is None
+
+
+def masked_beforehand(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """The logits with each constrained row's banned tokens at -inf already: what penalties and
+    logit_bias then do leaves -inf as it is, so a free sampler's draw from them is the reference."""
+    out = logits.clone()
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            out[i] = apply_reference(logits[i], allowed(seq.grammar))
+    return out
+
+
+@pytest.mark.parametrize("step", range(3))
+def test_a_constrained_row_draws_and_reports_what_a_free_row_draws_from_logits_masked_beforehand(compiler, step):
+    """Seeds, top-k/top-p, penalties, logit_bias and logprobs: the mask changes only which tokens
+    may be drawn, so the draw is the one the same row makes from logits already masked."""
+    g = torch.Generator().manual_seed(10 + step)
+    logits = torch.randn(len(SAMPLING) * 2, WIDTH, generator=g) * 3
+    mixed = [i % 3 != 1 for i in range(len(SAMPLING) * 2)]
+    sampler, free_sampler = (BatchSampler(16, WIDTH, torch.device("cpu")) for _ in range(2))
+    seqs = batch(compiler, sampler, mixed, logprobs=4)
+    expected = free_sampler.sample(masked_beforehand(logits, seqs), batch(compiler, free_sampler, [False] * 10, 4))
+    assert sampler.sample(logits, seqs) == expected
+
+
+def test_the_mask_buffers_are_kept_across_steps_and_a_smaller_batch_bans_only_in_its_rows(compiler):
+    sampler = BatchSampler(16, WIDTH, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    sampler.sample(torch.randn(10, WIDTH, generator=g), batch(compiler, sampler, [True] * 10))
+    buffers = sampler.bitmasks
+    seqs = batch(compiler, sampler, [False, False, True, False])
+    logits = torch.randn(4, WIDTH, generator=g)
+    before = logits.clone()
+    sampler.sample(logits, seqs)
+    assert sampler.bitmasks is buffers
+    assert torch.equal(logits[[0, 1, 3]], before[[0, 1, 3]])
+    assert torch.equal(logits[2], apply_reference(before[2], allowed(seqs[2].grammar)))

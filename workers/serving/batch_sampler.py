@@ -10,9 +10,11 @@ Each part runs only when some row of the batch asks for it: a batch without pena
 a schema or logprobs costs what sampling alone does.
 
 A row with a grammar (`grammar.py`) draws only what it allows: its token bitmask is filled on the
-host first, while the device may still be running the replayed step (every later part waits for
-it), then copied over and applied after logit_bias, so the logprobs reported are those of the
-constrained distribution. Free rows of the batch are not touched.
+host first, while the device still runs the replayed step, copied over on a stream of its own, and
+applied after logit_bias (in place, one kernel on CUDA), so the logprobs reported are those of the
+constrained distribution. Free rows of the batch are not touched. Nothing on that path waits for
+the device: a blocking copy there (an index tensor built on the device from a list) held the host
+until the step ended, and then the device idled while each later kernel was launched.
 """
 
 from __future__ import annotations
@@ -45,12 +47,67 @@ EVERY_PART = SamplingParams(
 )
 
 
+class BitmaskBuffers:
+    """The token bitmasks of a batch's rows under a grammar, and those rows' indices: filled on the
+    host, sent in one copy, applied by one launch.
+
+    One buffer on each side, laid out alike: the row indices (room for every slot, rounded up to 4
+    so the bitmasks after them start 16-byte aligned, as every tensor of the kernel's warm-up was:
+    Triton compiles apart for a pointer that is not), then one bitmask row per constrained row. On
+    CUDA the host buffer is pinned and the copy runs on a stream of its own, so it overlaps the step
+    the device is still running; the main stream waits for the copy only where the masks are
+    applied. No step allocates: the buffers are sized for every slot once.
+    """
+
+    def __init__(self, num_slots: int, words: int, device: torch.device) -> None:
+        self.words = words
+        self.rows = 0
+        self._offset = -(-num_slots // 4) * 4
+        cuda = device.type == "cuda"
+        self.on_host = torch.empty(self._offset + num_slots * words, dtype=torch.int32, pin_memory=cuda)
+        self.on_device = torch.empty_like(self.on_host, device=device) if cuda else self.on_host
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        self._sent = torch.cuda.Event() if cuda else None  # the last copy has read the host buffer
+        self._read = torch.cuda.Event() if cuda else None  # the last launch has read the device buffer
+
+    def stage(self, rows: list[int]) -> torch.Tensor:
+        """Take these logits rows' indices; returns the host bitmask rows to fill, one per index."""
+        if self._sent is not None:
+            self._sent.synchronize()  # done long ago: the last step's tokens were read after it
+        self.rows = len(rows)
+        self.on_host[: self.rows] = torch.tensor(rows, dtype=torch.int32)
+        return self._bitmask(self.on_host)
+
+    def send(self) -> None:
+        """Copy what `stage` took and the bitmasks filled to the device (no copy off CUDA)."""
+        if self._stream is None:
+            return
+        size = self._offset + self.rows * self.words
+        self._stream.wait_event(self._read)
+        with torch.cuda.stream(self._stream):
+            self.on_device[:size].copy_(self.on_host[:size], non_blocking=True)
+        self._sent.record(self._stream)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the banned logits of the staged rows to -inf, in place."""
+        if self._sent is None:
+            apply_token_bitmask(logits, self.on_device[: self.rows], self._bitmask(self.on_device))
+            return
+        stream = torch.cuda.current_stream(logits.device)
+        stream.wait_event(self._sent)
+        apply_token_bitmask(logits, self.on_device[: self.rows], self._bitmask(self.on_device))
+        self._read.record(stream)
+
+    def _bitmask(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self._offset : self._offset + self.rows * self.words].view(self.rows, self.words)
+
+
 class BatchSampler:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.counts = torch.zeros(num_slots, vocab_size, device=device)  # fp32 counts: exact far past any length
         self.in_prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.masks = MaskFiller()
-        self._bitmask: torch.Tensor | None = None  # the host's token bitmasks, one row per constrained row
+        self.bitmasks: BitmaskBuffers | None = None  # made by the first batch with a grammar
 
     @staticmethod
     def history_bytes(num_slots: int, vocab_size: int) -> int:
@@ -74,9 +131,10 @@ class BatchSampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """One token per sequence, and each token's logprobs for the rows that asked (None where none
-        did). Logprobs are of the logits as penalties and logit_bias left them, before temperature."""
+        did). Logprobs are of the logits as penalties and logit_bias left them, before temperature.
+        The rows of `logits` under a grammar are changed in place: the caller reads them no more."""
         params = [s.params for s in seqs]
-        masks = self._grammar_masks(seqs, logits.device)  # first: the host works while the device runs the step
+        constrained = self._send_masks(seqs)  # first: the host fills them while the device runs the step
         logits = logits.float()
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:  # their rows and slots
@@ -84,8 +142,8 @@ class BatchSampler:
             logits = self._penalize(logits, index, [params[i] for i in penalized])
         if any(p.logit_bias for p in params):
             logits = self._bias(logits, params)
-        if masks is not None:
-            logits = apply_token_bitmask(logits, *masks)
+        if constrained:
+            self.bitmasks.apply(logits)
         tokens = sample(logits, params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
         if penalized:
             self._record(index, tokens)
@@ -93,20 +151,18 @@ class BatchSampler:
         logprobs = self._logprobs(logits, tokens, params, wanted) if wanted else None
         return tokens.tolist(), logprobs
 
-    def _grammar_masks(self, seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...] | None:
-        """(rows, their token bitmasks on the device) of the rows with a grammar; None without any."""
+    def _send_masks(self, seqs: list[Sequence]) -> bool:
+        """Fill the token bitmasks of the rows with a grammar and send them to the device; False
+        where no row has one."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
-            return None
+            return False
         grammars = [seqs[i].grammar for i in rows]
-        words = grammars[0].words
-        if self._bitmask is None or self._bitmask.shape[1] != words:
-            slots = self.counts.shape[0]
-            self._bitmask = torch.empty(slots, words, dtype=torch.int32, pin_memory=device.type == "cuda")
-        host = self._bitmask[: len(rows)]
-        self.masks.fill(grammars, host)
-        # pinned: the copy runs behind the step; the buffer is filled again only after this step's tokens are read
-        return torch.tensor(rows, device=device), host.to(device, non_blocking=True)
+        if self.bitmasks is None or self.bitmasks.words != grammars[0].words:
+            self.bitmasks = BitmaskBuffers(self.counts.shape[0], grammars[0].words, self.counts.device)
+        self.masks.fill(grammars, self.bitmasks.stage(rows))
+        self.bitmasks.send()
+        return True
 
     def probe(self, rows: int) -> list[Sequence]:
         """Sequences in slots 0 to rows - 1 asking for every part, their history loaded (the next

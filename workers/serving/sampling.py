@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from workers.serving import token_mask
+
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request at most: each costs host work every step
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as: JSON has no infinity
@@ -159,14 +161,21 @@ def apply_penalties(
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` with row rows[i]'s tokens outside bitmask i set to -inf (bit j of word w allows
-    token 32 * w + j; columns past the bitmask's are never allowed). Other rows are left as they are."""
+    """`logits`, changed in place: row rows[i]'s tokens outside bitmask i set to -inf (bit j of word
+    w allows token 32 * w + j; columns past the bitmask's are never allowed). Other rows are not
+    touched. On CUDA one kernel (`token_mask.py`), elsewhere the same in torch ops."""
+    rows = rows.to(torch.int32)  # one dtype, so the warm-up compiles the kernel serving launches
+    if token_mask.available(logits):
+        token_mask.ban(logits, rows, bitmask)
+        return logits
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    banned = (((bitmask[:, :, None] >> shifts) & 1) == 0).flatten(1)
-    width = logits.shape[-1]
-    if banned.shape[1] < width:
-        banned = torch.nn.functional.pad(banned, (0, width - banned.shape[1]), value=True)
-    return logits.index_put((rows,), logits[rows].masked_fill_(banned[:, :width], float("-inf")))
+    banned = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]] == 0
+    index = rows.long()
+    picked = logits[index]
+    picked[:, : banned.shape[1]].masked_fill_(banned, float("-inf"))
+    picked[:, banned.shape[1] :] = float("-inf")
+    logits[index] = picked
+    return logits
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
