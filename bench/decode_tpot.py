@@ -221,7 +221,7 @@ def step_breakdown(engine: LLMEngine, steps: int = 100) -> dict[str, float]:
         batch = DecodeInputs.of([seq])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner._load(batch, 1)
+        runner.model_runner.load(batch, 1)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         logits = runner._replays[1]()

@@ -62,8 +62,8 @@ def check_bucket(engine: LLMEngine, runner, bucket: int) -> None:
     assert runner._check(bucket, batch, seed) is None, bucket
     with runner._probe_kv(batch, seed) as reset:
         reset()
-        runner._load(batch, bucket)
-        tokens, positions, slots, adapters = runner._views(bucket)
+        runner.model_runner.load(batch, bucket)
+        tokens, positions, slots, adapters = runner.model_runner.views(bucket)
         eager = engine.model.decode(tokens, positions, slots, engine.cache, adapters).float()
         reset()
         replayed = runner._replays[bucket]().float()

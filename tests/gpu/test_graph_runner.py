@@ -351,7 +351,7 @@ def test_denied_requests_never_replay_and_do_not_drag_others(backend, eager_engi
     for bucket, replay in list(engine.runner._replays.items()):
 
         def spy(bucket=bucket, replay=replay):
-            replayed_slots.update(engine.runner.inputs[2, :bucket].tolist())
+            replayed_slots.update(engine.runner.model_runner.inputs[2, :bucket].tolist())
             return replay()
 
         engine.runner._replays[bucket] = spy

@@ -4,7 +4,7 @@ withdrawn with verify_mismatch before READY, while the unfaulted bucket of the s
 ready; verification leaves every page but the scratch page, and the block table, as they were, also
 when run again with live sequences (and garbage in the free pages) in a small pool.
 
-The fault is swapped in for `runner.step_fn` during that bucket's capture only, so the graph holds
+The fault is swapped in for `runner.model_runner.step_fn` during that bucket's capture only, so the graph holds
 it while verification's eager step is the correct one.
 """
 
@@ -69,11 +69,11 @@ def test_a_faulty_graph_is_withdrawn_before_ready(fault, monkeypatch, eager_engi
     def capture_through_fault(self, bucket):
         if bucket != FAULTY:
             return original(self, bucket)
-        correct, self.step_fn = self.step_fn, FAULTS[fault](self.model)
+        correct, self.model_runner.step_fn = self.model_runner.step_fn, FAULTS[fault](self.model)
         try:
             return original(self, bucket)
         finally:
-            self.step_fn = correct
+            self.model_runner.step_fn = correct
 
     monkeypatch.setattr(GraphRunner, "_capture_bucket", capture_through_fault)
     engine = make_engine()

@@ -123,8 +123,8 @@ class EagerGraphRunner(GraphRunner):
     def _capture_bucket(self, bucket: int) -> int:
         if bucket in self.fail:
             raise RuntimeError(f"injected capture failure of bucket {bucket}")
-        step = self.faults.get(bucket, self.step_fn)
-        tokens, positions, slots, adapters = self._views(bucket)
+        step = self.faults.get(bucket, self.model_runner.step_fn)
+        tokens, positions, slots, adapters = self.model_runner.views(bucket)
 
         def replay() -> torch.Tensor:
             self.replayed[bucket] += 1

@@ -129,7 +129,7 @@ def test_an_adapter_whose_probe_replay_differs_is_refused_and_loading_captures_n
     assert run(engine, [(PROMPTS[0], "all")], adapters)  # loads and verifies "all", captures nothing
     lora, rolled = engine.runners.lora, adapter_rows_rolled(engine.model)
     for bucket in (1, 2, 4):  # every LoRA graph breaks after startup
-        lora._replays[bucket] = lambda views=lora._views(bucket): rolled(*views[:3], lora.cache, views[3])
+        lora._replays[bucket] = lambda views=lora.model_runner.views(bucket): rolled(*views[:3], lora.cache, views[3])
     with pytest.raises(InvalidRequest, match="adapter 'attn' cannot be served: verification"):
         engine.add_request(PROMPTS[0], GREEDY, adapter=("attn", adapters["attn"]))
     assert engine.stats.adapter_loads == {"loaded": 1, "refused": 1}

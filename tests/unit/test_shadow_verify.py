@@ -69,7 +69,7 @@ def test_a_replay_gone_wrong_is_withdrawn_within_n_replays(tiny):
         if 4 not in runner.table.ready:
             break
     assert 4 not in runner.table.ready and 4 not in runner._replays
-    eager = runner._step(4)[:3]  # the step on the inputs the replay read
+    eager = runner.model_runner.step(4)[:3]  # the step on the inputs the replay read
     assert torch.equal(logits, eager)  # the checked step was answered with the right logits
     reason, detail = runner.table.missing[4]
     assert reason == FallbackReason.VERIFY_MISMATCH and "shadow verification" in detail and "0.001" in detail

@@ -1,18 +1,17 @@
 """Captures the decode step as CUDA graphs, one per batch-size bucket, and replays them.
 
-Static input buffers (token ids, positions, slot ids, adapter slots) are allocated once; each step
-copies the live batch into them, padding rows pointing at the KV cache's scratch slot (its
-block-table row is all scratch page, its length 1) and at the null adapter. A runner made with
-`lora=True` captures the step with the LoRA deltas (`lora.py`); one without, the plain step, which
-costs nothing extra for batches that use no adapter. The block table itself is a static input too:
-it changes in place, by the step's edits, before the copy. Capture happens before the engine is
-READY: warm-up on a side stream (which compiles the step, once for every bucket, when the policy
-compiles: `compiled_step.py`), then buckets largest first into one shared memory pool with the
-garbage collector quiet. A bucket that fails to capture, does not fit the memory budget, or
-replays differently from eager in the consistency check is recorded in the BucketTable with its
-reason and runs eager. Nothing is ever captured on the request path. With tensor parallelism the
-ranks agree on the captured buckets before verifying them (each verification replays all-reduces,
-which must pair up across ranks) and again after.
+The model calls and their static inputs are the model runner's (`model_runner/runner.py`): each
+step copies the live batch into the static inputs, padding rows pointing at the KV cache's scratch
+slot. A runner made with `lora=True` captures the step with the LoRA deltas (`lora.py`); one
+without, the plain step, which costs nothing extra for batches that use no adapter. The block
+table itself is a static input too: it changes in place, by the step's edits, before the copy.
+Capture happens before the engine is READY: warm-up on a side stream (which compiles the step,
+once for every bucket, when the policy compiles: `compiled_step.py`), then buckets largest first
+into one shared memory pool with the garbage collector quiet (`capture.py`). A bucket that fails to
+capture, does not fit the memory budget, or replays differently from eager in the consistency
+check is recorded in the BucketTable with its reason and runs eager. Nothing is ever captured on
+the request path. With tensor parallelism the ranks agree on the captured buckets before verifying
+them (each verification replays all-reduces, which must pair up across ranks) and again after.
 
 `full` captures the whole step; `piecewise` captures the pieces between attention calls and runs
 attention eager (for backends that cannot be captured).
@@ -21,37 +20,35 @@ attention eager (for backends that cannot be captured).
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason, bucket_id
 from policies.graph_policy import GraphPolicy
+from workers.graphs.capture import (
+    MB,
+    BucketRecord,
+    agree_on_table,
+    any_rank,
+    bucket_report,
+    capture_ladder,
+    captured_bytes,
+    compare_logits,
+)
 from workers.graphs.compiled_step import CompiledStep, graphs_compiled, no_recompile
 from workers.graphs.shadow_verify import ShadowVerifier
 from workers.kv.attention import GraphSupport
 from workers.kv.kv_cache import KVCache, pages_needed
+from workers.model_runner.runner import ModelRunner
 from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
 from workers.modeling.model import LlamaModel
 
 log = logging.getLogger(__name__)
-MB = 1 << 20
 PROBE_PAGES = 3  # pages of context per probe slot: enough to cross two page boundaries
-
-
-@dataclass
-class BucketRecord:
-    bucket: int
-    capture_s: float = 0.0
-    memory_mb: float = 0.0
-    verify_max_abs_diff: float | None = None
-    error: str | None = None
 
 
 def initial_table(
@@ -105,21 +102,17 @@ class GraphRunner:
         self.compile_s = 0.0
         self.phase_s: dict[str, float] = {}  # start-up seconds by phase: compile (or warmup), capture, verify
         self.graphs = 0  # graphs dynamo compiled for this runner's warm-up
-        self.step_fn = model.decode
+        self.model_runner = ModelRunner(model, cache, max(buckets), lora)
         self.compiled = False
         self.shadow = ShadowVerifier(policy.shadow_verify_every_n_steps)
         if policy.compiles and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             self.use_compiled_step()
-        max_rows = max(buckets)
-        self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def use_compiled_step(self) -> None:
         """Capture (and run eagerly at captured buckets) the decode step compiled once for every
         bucket (`compiled_step.py`); warm-up compiles it."""
         allow_compiled_shapes(len(self.table.buckets))
-        self.step_fn = CompiledStep(self.model.decode)
+        self.model_runner.step_fn = CompiledStep(self.model.decode)
         self.compiled = True
 
     @property
@@ -138,7 +131,7 @@ class GraphRunner:
         if dispatch.mode == ExecutionMode.EAGER:
             return self.eager(batch), dispatch
         self.cache.set_pages(batch.pages)
-        self._load(batch, dispatch.bucket)
+        self.model_runner.load(batch, dispatch.bucket)
         logits = self._replays[dispatch.bucket]()[: batch.rows]
         if self.shadow.due():
             return self._shadow_check(dispatch.bucket, logits), dispatch
@@ -148,12 +141,9 @@ class GraphRunner:
         """Recompute the step just replayed with the function it was captured from, on the same static
         inputs (see `shadow_verify.py`); a mismatch withdraws the bucket on every rank. Returns the
         step's logits: the eager ones, which are right whatever the graph did."""
-        eager = self._step(bucket)[: replayed.shape[0]]
+        eager = self.model_runner.step(bucket)[: replayed.shape[0]]
         detail = self.shadow.compare(self.bucket_id(bucket), replayed, eager)
-        mismatch = torch.tensor([detail is not None], dtype=torch.int32, device=self.device)
-        if self.model.tp.world_size > 1:  # every rank withdraws it, or none: they must replay together
-            torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX, group=self.model.tp.group)
-        if mismatch.item():
+        if any_rank(detail is not None, self.model.tp, self.device):  # every rank withdraws it, or none
             detail = detail or f"{self.bucket_id(bucket)}: mismatch on another tensor-parallel rank"
             log.error("shadow verification failed, bucket %d runs eager from now on: %s", bucket, detail)
             self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, f"shadow verification: {detail}")
@@ -170,39 +160,14 @@ class GraphRunner:
         bucket = self.table.padded_size(batch.rows) if self.enabled else None
         self.cache.set_pages(batch.pages)
         if bucket in self.table.ready:
-            self._load(batch, bucket)
-            return self._step(bucket)[: batch.rows]
-        tokens, positions, slots, adapters = batch.to_device(self.device)
-        return self.model.decode(tokens, positions, slots, self.cache, adapters if self.lora else None)
+            self.model_runner.load(batch, bucket)
+            return self.model_runner.step(bucket)[: batch.rows]
+        return self.model_runner.decode(batch)
 
     def prefill(self, batch: PrefillInputs) -> torch.Tensor:
         """Prefill always runs eager; here so every rank makes each model call the same one way."""
         self.cache.set_pages(batch.pages)
-        tokens, positions, slots, adapters = batch.to_device(self.device)
-        adapters = adapters if self.lora else None
-        return self.model.prefill(tokens, positions, slots, batch.lens, self.cache, adapters, batch.context_lens)
-
-    def _load(self, batch: DecodeInputs, bucket: int) -> None:
-        """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
-        n = batch.rows
-        if self._copied is not None:  # a step may load twice (replayed rows, then denied ones)
-            self._copied.synchronize()  # the last copy has read the pinned buffer
-        host = self._host[:, :bucket]
-        host[:, :n] = torch.tensor(batch[:4])
-        host[:, n:] = 0
-        host[2, n:] = self.cache.scratch_slot
-        self.inputs[:, :bucket].copy_(host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-
-    def _views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """tokens, positions, slots and (LoRA runner only) adapter slots of a bucket's static inputs."""
-        return (*self.inputs[:3, :bucket], self.inputs[3, :bucket] if self.lora else None)
-
-    def _step(self, bucket: int) -> torch.Tensor:
-        """The step function on a bucket's static inputs: what is captured, and its eager twin."""
-        tokens, positions, slots, adapters = self._views(bucket)
-        return self.step_fn(tokens, positions, slots, self.cache, adapters)
+        return self.model_runner.prefill(batch)
 
     # -- startup -------------------------------------------------------------------------------
 
@@ -221,7 +186,7 @@ class GraphRunner:
         of pages drawn at random from the whole pool (scattered, as a long-running server leaves
         them), set by the batch's block-table edits. span = min(n + 2, PROBE_PAGES pages) keeps the
         probe's KV small at large buckets; rows past n (a pool or max_model_len too small for
-        more), if any, pad like `_load`'s padding rows. A LoRA runner's rows take turns through
+        more), if any, pad like the model runner's padding rows. A LoRA runner's rows take turns through
         the adapter slots, 0 included. The same on every rank: it depends only on the bucket, the
         seed and the cache's shape."""
         cache = self.cache
@@ -298,12 +263,12 @@ class GraphRunner:
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             t0, graphs = time.perf_counter(), graphs_compiled()
             for bucket in buckets:
-                self._load(self._scratch_batch(bucket), bucket)
-                self._step(bucket)
+                self.model_runner.load(self._scratch_batch(bucket), bucket)
+                self.model_runner.step(bucket)
             with no_recompile():
                 for bucket in buckets:
-                    self._load(self._scratch_batch(bucket), bucket)
-                    self._step(bucket)
+                    self.model_runner.load(self._scratch_batch(bucket), bucket)
+                    self.model_runner.step(bucket)
             if stream:
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -318,36 +283,16 @@ class GraphRunner:
         if not self.enabled:
             return
         budget = self.policy.graph_memory_budget_mb * MB
-        used = 0.0
-        gc.collect()
-        torch.cuda.empty_cache()  # so memory freed by earlier graphs cannot hide what these take
-        gc.disable()
         try:
-            for bucket in sorted(self.table.buckets, reverse=True):
-                record = self.records[bucket] = BucketRecord(bucket)
-                limit = self.policy.max_cached_graphs
-                if limit is not None and len(self.table.ready) >= limit:
-                    self._withdraw(
-                        bucket, FallbackReason.EVICTED, f"max_cached_graphs={self.policy.max_cached_graphs} reached"
-                    )
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    delta = self._capture_bucket(bucket)
-                except Exception as e:  # a failed capture costs that bucket only
-                    self._withdraw(bucket, FallbackReason.CAPTURE_ERROR, f"{type(e).__name__}: {e}")
-                    log.warning("capture of bucket %d failed: %s", bucket, record.error)
-                    continue
-                record.capture_s = time.perf_counter() - t0
-                record.memory_mb = delta / MB
-                if used + delta > budget:
-                    detail = f"needs {delta / MB:.1f} MB; graph_memory_budget_mb={budget / MB:g} exceeded"
-                    self._withdraw(bucket, FallbackReason.EVICTED, detail)
-                    continue
-                used += delta
-                self.table.mark_ready(bucket)
+            used = capture_ladder(
+                self.table,
+                self.records,
+                self._capture_bucket,
+                self._withdraw,
+                budget,
+                self.policy.max_cached_graphs,
+            )
         finally:
-            gc.enable()
             self._pool = None
         log.info("captured %d/%d decode buckets, %.1f MB", len(self.table.ready), len(self.table.buckets), used / MB)
 
@@ -361,26 +306,20 @@ class GraphRunner:
 
     def _capture_bucket(self, bucket: int) -> int:
         """Capture one bucket into the capture's shared pool (made by the first bucket) and return
-        the device memory it took, in bytes: the larger of what the driver and the allocator saw.
-        Everything capture needs of the CUDA runtime beyond `empty_cache` (a no-op without CUDA) is
-        here, so a CPU test can stand in for graphs by replacing this one method."""
+        the device memory it took, in bytes. Everything capture needs of the CUDA runtime beyond
+        `empty_cache` (a no-op without CUDA) is here, so a CPU test can stand in for graphs by
+        replacing this one method."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize()
-        free_before, reserved_before = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         if self.table.mode == ExecutionMode.CUDA_GRAPH:
-            self._capture_full(bucket, self._pool)
-        else:
-            self._capture_piecewise(bucket, self._pool)
-        torch.cuda.synchronize()
-        taken_by_driver = free_before - torch.cuda.mem_get_info()[0]
-        return max(0, taken_by_driver, torch.cuda.memory_reserved() - reserved_before)
+            return captured_bytes(lambda: self._capture_full(bucket, self._pool))
+        return captured_bytes(lambda: self._capture_piecewise(bucket, self._pool))
 
     def _capture_full(self, bucket: int, pool) -> None:
         graph = torch.cuda.CUDAGraph()
         self._graphs[bucket] = [graph]
         with torch.cuda.graph(graph, pool=pool):
-            out = self._step(bucket)
+            out = self.model_runner.step(bucket)
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -393,7 +332,7 @@ class GraphRunner:
         each layer's rest + the next layer up to attention; then the last layer's rest + logits.
         Attention runs eager between them, reading the queries the previous graph left."""
         m, cache = self.model, self.cache
-        tokens, positions, slots, adapters = self._views(bucket)
+        tokens, positions, slots, adapters = self.model_runner.views(bucket)
         attn_out = torch.zeros(
             bucket, m.layers[0].attn.num_heads * m.cfg.head_dim, dtype=m.cfg.dtype, device=self.device
         )
@@ -441,17 +380,20 @@ class GraphRunner:
         adapters in every slot (emptied after), the probe's rows taking turns between them."""
         slots = self.model.lora if self.lora else None
         with slots.random_contents(seed=7) if slots else contextlib.nullcontext():
-            failed = self.check_buckets()
+            failed = self._failed_decode_buckets()
         for bucket, detail in failed.items():
             self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, detail)
             log.warning("bucket %d failed verification: %s", bucket, detail)
 
-    def check_buckets(self) -> dict[int, str]:
-        """Each captured bucket's replay against the same step run eagerly on a probe batch (`probe`,
-        attending to random K/V from `_probe_kv`, both runs from the same cache state): the buckets
-        that disagree, with why. Withdraws nothing, so a model gate can check and still put the old
-        weights back. Every real slot's KV is left as it was (only the scratch slot may change), so
-        this may run again, also with live sequences in the cache."""
+    def check_buckets(self) -> dict[str, str]:
+        """Each captured bucket's replay against the same step run eagerly on a probe batch
+        (attending to random K/V from `_probe_kv`, both runs from the same cache state): the
+        buckets that disagree, by bucket id, with why. Withdraws nothing, so a model gate can check
+        and still put the old weights back. Every real slot's KV is left as it was (only the
+        scratch slot may change), so this may run again, also with live sequences in the cache."""
+        return {self.bucket_id(b): detail for b, detail in self._failed_decode_buckets().items()}
+
+    def _failed_decode_buckets(self) -> dict[int, str]:
         failed = {}
         for bucket in sorted(self.table.ready):
             detail = self._check(bucket, self.probe(bucket, bucket + 1), bucket + 1)
@@ -464,20 +406,11 @@ class GraphRunner:
         NaN compares False with any tolerance."""
         with self._probe_kv(batch, seed) as reset:
             reset()
-            self._load(batch, bucket)
-            eager = self._step(bucket).float()
+            self.model_runner.load(batch, bucket)
+            eager = self.model_runner.step(bucket).float()
             reset()
             replayed = self._replays[bucket]().float()
-        diff = (replayed - eager).abs().max().item()
-        self.records[bucket].verify_max_abs_diff = diff
-        tolerance = 1e-2 * eager.abs().max().item()
-        finite = bool(torch.isfinite(replayed).all()) and math.isfinite(diff)
-        same_tokens = torch.equal(replayed.argmax(-1), eager.argmax(-1))
-        if finite and same_tokens and diff <= tolerance:
-            return None
-        if not finite:
-            return f"non-finite logits: max |graph - eager| = {diff}"
-        return f"max |graph - eager| = {diff:.3g} (tolerance {tolerance:.3g}), same argmax: {same_tokens}"
+        return compare_logits(self.records[bucket], replayed, eager)
 
     @torch.inference_mode()
     def check_adapter(self, slot: int, others: list[int], problem: str | None = None) -> str | None:
@@ -502,32 +435,17 @@ class GraphRunner:
                 finite = bool(torch.isfinite(self.eager(batch)).all())
             detail = None if finite else "non-finite logits in an eager probe step"
         detail = problem or detail
-        failed = torch.tensor([detail is not None], dtype=torch.int32, device=self.device)
-        if self.model.tp.world_size > 1:
-            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.model.tp.group)
-        if failed.item():
+        if any_rank(detail is not None, self.model.tp, self.device):
             return detail or "failed on another tensor-parallel rank"
         return None
 
     def agree(self) -> None:
-        """With tensor parallelism: a bucket replays only if it is ready on every rank; otherwise
-        all ranks run it eager, so they always replay together. A rank where it was ready records
-        the reason of a rank where it is not (the largest reason code among them, one all-reduce),
-        with a detail that says it happened on another rank."""
+        """With tensor parallelism: a bucket replays only if it is ready on every rank
+        (`capture.agree_on_table`)."""
         tp = self.model.tp
         if tp.world_size == 1 or not self.enabled:
             return
-        reasons = list(FallbackReason)
-        codes = []  # per bucket: 0 if ready here, else 1 + the index of its reason
-        for bucket in self.table.buckets:
-            missing = self.table.missing.get(bucket, (FallbackReason.CAPTURE_ERROR, ""))
-            codes.append(0 if bucket in self.table.ready else 1 + reasons.index(missing[0]))
-        worst = torch.tensor(codes, dtype=torch.int32, device=self.device)
-        torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=tp.group)
-        for bucket, code in zip(self.table.buckets, worst.tolist()):
-            if bucket in self.table.ready and code:
-                reason = reasons[code - 1]
-                self._withdraw(bucket, reason, f"{reason.value} on another tensor-parallel rank")
+        agree_on_table(self.table, tp, self.device, self._withdraw)
 
     def prepare(self, on_state: Callable[[EngineState], None] = lambda state: None) -> None:
         """Warm up, capture, (with TP) agree, verify and agree again, in the same order on every rank:
@@ -558,23 +476,8 @@ class GraphRunner:
         return sum(self.records[b].memory_mb for b in self.table.ready)
 
     def report(self) -> dict:
-        """Per-bucket capture facts for status pages, JSON-safe (served with allow_nan=False): a
-        non-finite verify diff is rendered null, and that bucket's error then says non-finite."""
-        out = {}
-        for bucket in self.table.buckets:
-            rec = self.records.get(bucket, BucketRecord(bucket))
-            missing = self.table.missing.get(bucket)
-            diff = rec.verify_max_abs_diff
-            out[self.bucket_id(bucket)] = {
-                "ready": bucket in self.table.ready,
-                "compiled": self.compiled and bucket in self.table.ready,
-                "capture_s": rec.capture_s,
-                "memory_mb": rec.memory_mb,
-                "verify_max_abs_diff": diff if diff is not None and math.isfinite(diff) else None,
-                "fallback_reason": missing[0].value if missing else None,
-                "error": rec.error or (missing[1] if missing else None),
-            }
-        return out
+        """Per decode bucket, its capture facts for status pages."""
+        return bucket_report(self.table, self.records, self.bucket_id, self.compiled)
 
 
 class StepRunners(NamedTuple):

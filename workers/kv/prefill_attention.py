@@ -22,6 +22,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from workers.kv.kv_cache import KVCache
+
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch before 2.10
@@ -115,3 +117,37 @@ def per_prompt_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         outs.append(o[0].transpose(0, 1).reshape(n, -1))
     return torch.cat(outs)
+
+
+class PrefillAttention:
+    """One prefill's attention, set up once for all its layers: how its prompts are packed, and
+    where a prompt with a cached context finds its keys (read back from its pages after each layer
+    writes its new ones). `slot_ids`: each token's slot; `like`: a tensor of the activations'
+    device and dtype, which decide whether one packed call can serve every prompt."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        slot_ids: torch.Tensor,
+        seq_lens: list[int],
+        context_lens: list[int] | None,
+        window: int | None,
+        like: torch.Tensor,
+    ) -> None:
+        self.cache = cache
+        self.seq_lens = seq_lens
+        self.window = window
+        self.context = context_lens if context_lens and any(context_lens) else None
+        self.packed = packed_supported(like, window)
+        prompts = PackedPrompts(seq_lens, like.device, self.context) if self.packed or self.context else None
+        self.prompts = prompts
+        self.keys_at = cache.write_index(*prompts.key_positions(slot_ids)) if self.context else None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Layer's attention of the new tokens' q (tokens, heads, dim) over their own k/v (their
+        cached context's too): (tokens, heads * dim)."""
+        if self.keys_at is not None:  # this layer's new K/V are in the pages now, after the cached ones
+            k, v = self.cache.read(layer, self.keys_at)
+        if self.packed:
+            return packed_attention(q, k, v, self.prompts, self.window)
+        return per_prompt_attention(q, k, v, self.seq_lens, self.window, self.context)

@@ -16,7 +16,7 @@ from torch import nn
 
 from workers.kv.attention import make_backend
 from workers.kv.kv_cache import KVCache, pages_needed
-from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
+from workers.kv.prefill_attention import PrefillAttention
 from workers.modeling.config import ModelConfig
 from workers.modeling.lora import TARGETS, LoraBatch, LoraSlots
 from workers.modeling.parallel import ColumnParallelLinear, ReplicatedParameter, RowParallelLinear, TPGroup
@@ -48,6 +48,11 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda:
         return F.linear(x.float(), weight.float())
     return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+
+
+def last_tokens(seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    """Where each of the packed prompts' last token sits."""
+    return torch.tensor(seq_lens, device=device).cumsum(0) - 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -266,22 +271,11 @@ class LlamaModel(nn.Module):
         call for all prompts where the device allows (`prefill_attention.py`). `context_lens`:
         per prompt, the positions before its first token here, whose K/V its pages already hold (a
         cached prefix): its tokens attend to those too, read back from the cache."""
-        window = self.cfg.sliding_window
-        context = context_lens if context_lens and any(context_lens) else None
         h, cos, sin = self.embed_tokens(tokens, positions)
-        packed = packed_supported(h, window)
-        prompts = PackedPrompts(seq_lens, h.device, context) if packed or context else None
+        attention = PrefillAttention(cache, slot_ids, seq_lens, context_lens, self.cfg.sliding_window, h)
         index = cache.write_index(slot_ids, positions)
-        keys_at = cache.write_index(*prompts.key_positions(slot_ids)) if context else None
         lora = self._lora_batch(adapters)
         for i in range(len(self.layers)):
             q, k, v = self.pre_attention(i, h, cos, sin, index, cache, lora)
-            if keys_at is not None:  # this layer's new K/V are in the pages now, after the cached ones
-                k, v = cache.read(i, keys_at)
-            if packed:
-                attn = packed_attention(q, k, v, prompts, window)
-            else:
-                attn = per_prompt_attention(q, k, v, seq_lens, window, context)
-            h = self.post_attention(i, h, attn, lora)
-        last = torch.tensor(seq_lens, device=h.device).cumsum(0) - 1
-        return self.logits(h[last])
+            h = self.post_attention(i, h, attention(i, q, k, v), lora)
+        return self.logits(h[last_tokens(seq_lens, h.device)])

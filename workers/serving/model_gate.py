@@ -58,7 +58,7 @@ def run_gate(engine: LLMEngine, tokenizer, prompts_file: str | None) -> dict:
     prompts = golden_prompts(engine.model.cfg.vocab_size)
     _eager_probe(engine, prompts)
     engine.tell_followers(CHECK_BUCKETS)
-    failed = {r.bucket_id(b): d for r in engine.runners.all for b, d in r.check_buckets().items()}
+    failed = {bucket: d for r in engine.runners.all for bucket, d in r.check_buckets().items()}
     if failed:
         engine.agree("buckets disagree")
         raise GateFailed("graphs disagree with eager: " + "; ".join(f"{b}: {d}" for b, d in failed.items()))

@@ -1,0 +1,67 @@
+"""One rank's model calls for one kind of step (the plain model, or with its LoRA slots): the static
+decode inputs that captured graphs read, the copy of a batch into them, the decode step on them and
+its plain twin on the live rows, and the prefill (`prefill_pieces.py` holds the prefill's static
+buffers). Graphs are captured and replayed around these calls by `graphs/`, which also decides
+whether `step_fn` is the compiled step.
+
+Padding rows point at the KV cache's scratch slot (its block-table row is all scratch page, its
+length 1) and at the null adapter, so they never touch a real sequence's keys and values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from workers.kv.kv_cache import KVCache
+from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
+from workers.modeling.model import LlamaModel
+
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None], torch.Tensor]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache, max_rows: int, lora: bool = False) -> None:
+        self.model = model
+        self.cache = cache
+        self.lora = lora
+        self.device = model.embed.weight.device
+        self.step_fn: DecodeStep = model.decode  # what `step` runs: the compiled step where graphs compile it
+        self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def load(self, batch: DecodeInputs, bucket: int) -> None:
+        """Copy the batch into the static inputs (one host-to-device copy from pinned memory); rows
+        past the batch pad to the scratch slot."""
+        n = batch.rows
+        if self._copied is not None:  # a step may load twice (replayed rows, then denied ones)
+            self._copied.synchronize()  # the last copy has read the pinned buffer
+        host = self._host[:, :bucket]
+        host[:, :n] = torch.tensor(batch[:4])
+        host[:, n:] = 0
+        host[2, n:] = self.cache.scratch_slot
+        self.inputs[:, :bucket].copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """tokens, positions, slots and (LoRA runner only) adapter slots of a bucket's static inputs."""
+        return (*self.inputs[:3, :bucket], self.inputs[3, :bucket] if self.lora else None)
+
+    def step(self, bucket: int) -> torch.Tensor:
+        """The decode step on a bucket's static inputs: what a graph captures, and its eager twin."""
+        tokens, positions, slots, adapters = self.views(bucket)
+        return self.step_fn(tokens, positions, slots, self.cache, adapters)
+
+    def decode(self, batch: DecodeInputs) -> torch.Tensor:
+        """The plain decode step on the batch's live rows, no static inputs, no padding."""
+        tokens, positions, slots, adapters = batch.to_device(self.device)
+        return self.model.decode(tokens, positions, slots, self.cache, adapters if self.lora else None)
+
+    def prefill(self, batch: PrefillInputs) -> torch.Tensor:
+        """The plain prefill of the batch's tokens: logits of each sequence's last one."""
+        tokens, positions, slots, adapters = batch.to_device(self.device)
+        adapters = adapters if self.lora else None
+        return self.model.prefill(tokens, positions, slots, batch.lens, self.cache, adapters, batch.context_lens)
