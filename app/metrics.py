@@ -80,6 +80,17 @@ class _StatusCollector:
         padding = CounterMetricFamily(
             "graphserve_decode_padding_rows", "Padding rows replayed", labels=[*STEP_LABELS, "replica"]
         )
+        prefill_steps = CounterMetricFamily(
+            "graphserve_prefill_steps", "Prefill model calls", labels=[*STEP_LABELS, "replica"]
+        )
+        prefill_tokens = CounterMetricFamily(
+            "graphserve_prefill_tokens", "Prompt tokens prefilled", labels=[*STEP_LABELS, "replica"]
+        )
+        prefill_padding = CounterMetricFamily(
+            "graphserve_prefill_padding_tokens",
+            "Padding tokens replayed by prefill graphs",
+            labels=[*STEP_LABELS, "replica"],
+        )
         requests = CounterMetricFamily(
             "graphserve_requests", "Requests by tenant and outcome", labels=["tenant", "outcome", "replica"]
         )
@@ -88,6 +99,9 @@ class _StatusCollector:
         )
         captured = GaugeMetricFamily(
             "graphserve_graph_buckets_captured", "Decode buckets replaying", labels=["replica"]
+        )
+        prefill_captured = GaugeMetricFamily(
+            "graphserve_prefill_buckets_captured", "Prefill buckets (of token counts) replaying", labels=["replica"]
         )
         busy = CounterMetricFamily(
             "graphserve_engine_busy_seconds", "Seconds the engine spent in model steps", labels=["phase", "replica"]
@@ -114,6 +128,13 @@ class _StatusCollector:
                 preempted.add_metric([replica], kv["preemptions"])
             ready.add_metric([replica], 1.0 if status.get("state") == "READY" else 0.0)
             captured.add_metric([replica], sum(1 for b in status.get("buckets", {}).values() if b["ready"]))
+            prefill_buckets = status.get("prefill_buckets", {}).values()
+            prefill_captured.add_metric([replica], sum(1 for b in prefill_buckets if b["ready"]))
+            for part in status.get("stats", {}).get("prefill_step_parts", []):
+                labels = [str(part[k]) for k in STEP_LABELS] + [replica]
+                prefill_steps.add_metric(labels, part["steps"])
+                prefill_tokens.add_metric(labels, part["tokens"])
+                prefill_padding.add_metric(labels, part["padding_tokens"])
             for part in status.get("stats", {}).get("decode_step_parts", []):
                 labels = [str(part[k]) for k in STEP_LABELS] + [replica]
                 steps.add_metric(labels, part["steps"])
@@ -124,6 +145,7 @@ class _StatusCollector:
             for phase, seconds in status.get("stats", {}).get("busy_s", {}).items():
                 busy.add_metric([phase, replica], seconds)
         yield from (steps, rows, padding, requests, ready, captured, busy, pages, free, preempted, shadow)
+        yield from (prefill_steps, prefill_tokens, prefill_padding, prefill_captured)
         with_requests = {r: s["requests"] for r, s in self.statuses.items() if "requests" in s}
         yield _histogram(
             "graphserve_ttft_seconds", "Time to first token", {r: v["ttft_s"] for r, v in with_requests.items()}

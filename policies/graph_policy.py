@@ -28,7 +28,17 @@ class GraphPolicy(BaseModel):
         description="the decode batch sizes to capture, strictly increasing, each >= 1; null: 1, 2, 4, 8, every 8 "
         "to 64, every 32 to max_num_seqs (17 for 256)",
     )
-    capture_prefill: Literal[False] = Field(False, description="prefill always runs eager (not captured)")
+    capture_prefill: bool = Field(
+        True,
+        description="capture a prefill's pieces between attention calls once per bucket of token counts "
+        "(`prefill_token_buckets`) and run attention eager between them; false: prefill runs eager",
+    )
+    prefill_token_buckets: tuple[int, ...] | None = Field(
+        None,
+        description="the prefill token counts to capture, strictly increasing; a prefill of more tokens than "
+        "the largest runs eager. null: 16, 32, ... 512, then every 256 to 2048, none above "
+        "max_num_batched_tokens",
+    )
     max_cached_graphs: int | None = Field(
         None,
         ge=0,
@@ -60,7 +70,7 @@ class GraphPolicy(BaseModel):
         description="every n-th replayed decode step is recomputed eagerly and must match bit for bit (0: never)",
     )
 
-    @field_validator("decode_batch_buckets")
+    @field_validator("decode_batch_buckets", "prefill_token_buckets")
     @classmethod
     def _buckets_ascending(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
         if v is None:
@@ -88,6 +98,14 @@ class GraphPolicy(BaseModel):
         """The decode batch sizes to capture for a batch limit of max_num_seqs."""
         return self.decode_batch_buckets or default_buckets(max_num_seqs)
 
+    def prefill_buckets(self, max_num_batched_tokens: int) -> tuple[int, ...]:
+        """The prefill token counts to capture for a step budget of max_num_batched_tokens (none
+        when prefill is not captured): no bucket above what a step can hold."""
+        if not self.capture_prefill or self.mode == "eager" or not self.capture_on_startup:
+            return ()
+        ladder = self.prefill_token_buckets or default_prefill_buckets(max_num_batched_tokens)
+        return tuple(b for b in ladder if b <= max_num_batched_tokens)
+
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then every 8 to 64, then every 32, up to and including max_num_seqs. Padding a
@@ -95,6 +113,18 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     where it computes (large ones), so buckets are dense at the small end; 256 needs 17 graphs."""
     ladder = [1, 2, 4, *range(8, 64, 8), *range(64, max_num_seqs, 32)]
     return (*[b for b in ladder if b < max_num_seqs], max_num_seqs)
+
+
+def default_prefill_buckets(max_num_batched_tokens: int, largest: int = 2048) -> tuple[int, ...]:
+    """16, 32, ... 512, then every 256 to `largest`, the step budget itself where it is smaller.
+    While a prefill's time is its launches, padding costs nothing and powers of two suffice; where
+    it starts to compute, finer steps keep the padding under a third. Measured eager on the 1B
+    shape (`bench/results/prefill_shapes_h200.md`): ~11 ms from 137 to 1,781 tokens (launches),
+    25 ms at 4,384 (compute): above ~2k tokens the launches are a small part of a prefill, so
+    larger ones run eager rather than hold a larger graph pool."""
+    top = min(max_num_batched_tokens, largest)
+    ladder = [16, 32, 64, 128, 256, *range(512, largest + 1, 256)]
+    return (*[b for b in ladder if b < top], top)
 
 
 def load_policy(source: str | Path | dict[str, Any] | None) -> GraphPolicy:

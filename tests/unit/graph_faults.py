@@ -1,10 +1,11 @@
-"""Faulty decode steps, the wrong graphs verification must catch, and a CPU stand-in for capture.
+"""Faulty decode steps, the wrong graphs verification must catch, and CPU stand-ins for capture.
 
 Each fault wraps `model.decode` the way a wrongly captured graph would behave: NaN logits whose
 argmax is unchanged, rows and slots mixed up, a stale length (positions one behind), and a mask
 that lets each row see one position more or one less. The GPU tests capture real graphs through
 them; `EagerGraphRunner` lets CPU tests run the real capture bookkeeping, verify and agree around
-"replays" that compute a step eagerly from the same static inputs a graph would read.
+"replays" that compute a step eagerly from the same static inputs a graph would read, and
+`EagerPrefillGraphs` does the same for prefill pieces.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy
 from workers.graphs.graph_runner import GraphRunner
+from workers.graphs.prefill_graphs import PrefillGraphs
 from workers.kv.kv_cache import KVCache
+from workers.model_runner.prefill_pieces import PrefillPieces
 from workers.modeling.model import LlamaModel
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None], torch.Tensor]
@@ -112,10 +115,13 @@ class EagerGraphRunner(GraphRunner):
         faults: dict[int, Step] | None = None,
         fail: frozenset[int] = frozenset(),
         lora: bool = False,
+        prefill_buckets: tuple[int, ...] = (),
     ) -> None:
-        super().__init__(model, cache, policy, lora)
+        super().__init__(model, cache, policy, lora, prefill_buckets)
         assert self.table.global_reason == FallbackReason.UNAVAILABLE, "a CPU stand-in, for a CPU model"
         self.table.global_reason = None  # what a CUDA device would allow: the stand-in captures instead
+        if self.prefill_graphs is not None:
+            self.prefill_graphs = EagerPrefillGraphs(model, cache, self.prefill_graphs.table.buckets)
         self.faults = faults or {}
         self.fail = fail
         self.replayed: Counter[int] = Counter()
@@ -129,6 +135,46 @@ class EagerGraphRunner(GraphRunner):
         def replay() -> torch.Tensor:
             self.replayed[bucket] += 1
             return step(tokens, positions, slots, self.cache, adapters)
+
+        self._replays[bucket] = replay
+        return 0
+
+
+PieceFault = Callable[[PrefillPieces, int, int], None]  # (pieces, piece index, bucket): a wrong piece
+
+
+def piece_reads_the_next_token(pieces: PrefillPieces, i: int, bucket: int) -> None:
+    """Piece i computed on the tokens shifted by one (each token's row reads its neighbour's id)."""
+    if i == 0:
+        pieces.inputs[0, :bucket] = pieces.inputs[0, :bucket].roll(-1)
+    pieces.piece(i, bucket)
+
+
+class EagerPrefillGraphs(PrefillGraphs):
+    """PrefillGraphs on CPU whose capture of a bucket stores replays that run each piece eagerly on
+    the static buffers (or, for a bucket in `faults`, a faulty piece); `replayed` counts replays of
+    each bucket's first piece. Dispatch, warm-up, the capture loop, verify and agree are the real
+    code."""
+
+    def __init__(
+        self, model: LlamaModel, cache: KVCache, buckets: tuple[int, ...], faults: dict[int, PieceFault] | None = None
+    ) -> None:
+        super().__init__(model, cache, buckets)
+        assert self.table.global_reason == FallbackReason.UNAVAILABLE, "a CPU stand-in, for a CPU model"
+        self.table.global_reason = None
+        self.pieces = PrefillPieces(model, cache, max(buckets))
+        self.faults = faults or {}
+        self.replayed: Counter[int] = Counter()
+
+    def _capture_bucket(self, bucket: int) -> int:
+        fault = self.faults.get(bucket)
+
+        def replay(i: int) -> None:
+            self.replayed[bucket] += i == 0
+            if fault is None:
+                self.pieces.piece(i, bucket)
+            else:
+                fault(self.pieces, i, bucket)
 
         self._replays[bucket] = replay
         return 0

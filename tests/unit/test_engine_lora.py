@@ -102,8 +102,15 @@ def test_lora_graphs_that_mix_up_adapter_rows_fail_startup_verification(tiny, ad
     """Startup verification fills every slot with random adapters: a LoRA bucket whose rows read
     their neighbour's slot is withdrawn, the plain bucket of that size replays on."""
 
-    def runner(model, cache, policy, lora=False):
-        return EagerGraphRunner(model, cache, policy, {4: adapter_rows_rolled(model)} if lora else {}, lora=lora)
+    def runner(model, cache, policy, lora=False, prefill_buckets=()):
+        return EagerGraphRunner(
+            model,
+            cache,
+            policy,
+            {4: adapter_rows_rolled(model)} if lora else {},
+            lora=lora,
+            prefill_buckets=prefill_buckets,
+        )
 
     monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
     engine = lora_engine(tiny, graph_policy=GraphPolicy(decode_batch_buckets=(1, 2, 4)))
@@ -117,8 +124,8 @@ def test_lora_graphs_that_mix_up_adapter_rows_fail_startup_verification(tiny, ad
 def test_an_adapter_whose_probe_replay_differs_is_refused_and_loading_captures_nothing(tiny, adapters, monkeypatch):
     captures = []
 
-    def runner(model, cache, policy, lora=False):
-        made = EagerGraphRunner(model, cache, policy, lora=lora)
+    def runner(model, cache, policy, lora=False, prefill_buckets=()):
+        made = EagerGraphRunner(model, cache, policy, lora=lora, prefill_buckets=prefill_buckets)
         original = made._capture_bucket
         made._capture_bucket = lambda bucket: captures.append((lora, bucket)) or original(bucket)
         return made
@@ -143,8 +150,8 @@ def test_graph_replays_with_adapters_equal_eager(tiny, adapters, monkeypatch):
     """With stand-in graphs (the real capture bookkeeping, dispatch and static inputs), rows with
     adapters replay the LoRA runner's buckets and decode what an eager engine decodes."""
 
-    def runner(model, cache, policy, lora=False):
-        return EagerGraphRunner(model, cache, policy, lora=lora)
+    def runner(model, cache, policy, lora=False, prefill_buckets=()):
+        return EagerGraphRunner(model, cache, policy, lora=lora, prefill_buckets=prefill_buckets)
 
     monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
     requests = list(zip(PROMPTS[:3], ["all", None, "mlp"], strict=True))
@@ -220,8 +227,8 @@ def test_rows_denied_graphs_decode_eager_with_their_adapter(tiny, adapters, monk
     same tokens as when they replay, next to rows that replay in the same steps."""
     from policies.dispatch import FallbackReason
 
-    def runner(model, cache, policy, lora=False):
-        return EagerGraphRunner(model, cache, policy, lora=lora)
+    def runner(model, cache, policy, lora=False, prefill_buckets=()):
+        return EagerGraphRunner(model, cache, policy, lora=lora, prefill_buckets=prefill_buckets)
 
     monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
     engine = lora_engine(tiny, graph_policy=GraphPolicy(decode_batch_buckets=(1, 2, 4)))

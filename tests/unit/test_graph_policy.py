@@ -12,7 +12,8 @@ from policies.graph_policy import GraphPolicy, default_buckets, load_policy
 DEFAULTS = dict(
     mode="full",
     decode_batch_buckets=None,  # default_buckets(max_num_seqs)
-    capture_prefill=False,
+    capture_prefill=True,
+    prefill_token_buckets=None,  # default_prefill_buckets(max_num_batched_tokens)
     max_cached_graphs=None,
     graph_memory_budget_mb=2048,
     fallback_mode="eager",
@@ -106,9 +107,9 @@ def test_negative_budget_rejected():
     assert err["type"] == "greater_than_equal"
 
 
-def test_capture_prefill_true_rejected():
-    """Prefill always runs eager."""
-    rejected("capture_prefill", capture_prefill=True)
+@pytest.mark.parametrize("buckets", [(), (0, 16), (32, 16), (16, 16)])
+def test_prefill_token_buckets_must_be_positive_and_increasing(buckets):
+    rejected("prefill_token_buckets", prefill_token_buckets=buckets)
 
 
 @pytest.mark.parametrize("fallback", ["piecewise", "cuda_graph", "none"])

@@ -31,7 +31,7 @@ def prepare_follower(model: LlamaModel, config: EngineConfig) -> StepRunners:
     """What a rank > 0 does before following rank 0: its cache (and LoRA slots), then the same
     warm-up, capture, verification and agreement as rank 0's engine, so both meet the same
     collectives in order."""
-    runners = make_runners(model, prepare_model(model, config), config.graph_policy)
+    runners = make_runners(model, prepare_model(model, config), config)
     runners.prepare()
     return runners
 

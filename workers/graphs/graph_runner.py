@@ -1,4 +1,5 @@
-"""Captures the decode step as CUDA graphs, one per batch-size bucket, and replays them.
+"""Captures the decode step as CUDA graphs, one per batch-size bucket, and replays them; the plain
+runner's prefills too, per bucket of token counts (`prefill_graphs.py`).
 
 The model calls and their static inputs are the model runner's (`model_runner/runner.py`): each
 step copies the live batch into the static inputs, padding rows pointing at the KV cache's scratch
@@ -40,6 +41,7 @@ from workers.graphs.capture import (
     compare_logits,
 )
 from workers.graphs.compiled_step import CompiledStep, graphs_compiled, no_recompile
+from workers.graphs.prefill_graphs import PrefillGraphs, prefill_bucket_id
 from workers.graphs.shadow_verify import ShadowVerifier
 from workers.kv.attention import GraphSupport
 from workers.kv.kv_cache import KVCache, pages_needed
@@ -81,7 +83,17 @@ def allow_compiled_shapes(shapes: int) -> None:
 
 
 class GraphRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, policy: GraphPolicy, lora: bool = False) -> None:
+    """`prefill_buckets`: the token counts whose prefills are captured (none: prefill runs eager);
+    a LoRA runner's prefills always run eager."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        policy: GraphPolicy,
+        lora: bool = False,
+        prefill_buckets: tuple[int, ...] = (),
+    ) -> None:
         self.model = model
         self.lora = lora
         self.prefix = "lora_" if lora else ""
@@ -107,6 +119,7 @@ class GraphRunner:
         self.shadow = ShadowVerifier(policy.shadow_verify_every_n_steps)
         if policy.compiles and self.table.mode == ExecutionMode.CUDA_GRAPH and self.table.global_reason is None:
             self.use_compiled_step()
+        self.prefill_graphs = None if lora or not prefill_buckets else PrefillGraphs(model, cache, prefill_buckets)
 
     def use_compiled_step(self) -> None:
         """Capture (and run eagerly at captured buckets) the decode step compiled once for every
@@ -122,6 +135,11 @@ class GraphRunner:
     def bucket_id(self, bucket: int | None) -> str:
         """A bucket's name in reports and metrics: decode_bs_N, lora_decode_bs_N for LoRA graphs."""
         return "none" if bucket is None else self.prefix + bucket_id(bucket)
+
+    @staticmethod
+    def prefill_bucket_id(bucket: int | None) -> str:
+        """A prefill bucket's name: prefill_tokens_N."""
+        return "none" if bucket is None else prefill_bucket_id(bucket)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -164,10 +182,17 @@ class GraphRunner:
             return self.model_runner.step(bucket)[: batch.rows]
         return self.model_runner.decode(batch)
 
-    def prefill(self, batch: PrefillInputs) -> torch.Tensor:
-        """Prefill always runs eager; here so every rank makes each model call the same one way."""
+    def prefill(self, batch: PrefillInputs, graphs: bool = True) -> tuple[torch.Tensor, Dispatch]:
+        """Logits of each sequence's last token, and how the call ran: replayed prefill graphs where
+        a bucket of token counts holds the batch, else eager. `graphs=False` (a request denied
+        graphs is in the batch) runs the eager twin of the bucket's graphs, which computes what
+        a replay would, or eager where no graphs are ready. Here so every rank makes each model
+        call the same one way."""
         self.cache.set_pages(batch.pages)
-        return self.model_runner.prefill(batch)
+        if self.prefill_graphs is None:
+            reason = FallbackReason.DISABLED if self.enabled else self.table.global_reason
+            return self.model_runner.prefill(batch), Dispatch(ExecutionMode.EAGER, None, reason)
+        return self.prefill_graphs.prefill(batch, graphs, self.model_runner.prefill)
 
     # -- startup -------------------------------------------------------------------------------
 
@@ -269,6 +294,8 @@ class GraphRunner:
                 for bucket in buckets:
                     self.model_runner.load(self._scratch_batch(bucket), bucket)
                     self.model_runner.step(bucket)
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.warmup()
             if stream:
                 torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -279,7 +306,8 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one pool, within the policy's limits."""
+        """Capture every decode bucket, largest first, into one pool, within the policy's limits;
+        then the prefill buckets, within what the decode graphs left of the memory budget."""
         if not self.enabled:
             return
         budget = self.policy.graph_memory_budget_mb * MB
@@ -295,6 +323,8 @@ class GraphRunner:
         finally:
             self._pool = None
         log.info("captured %d/%d decode buckets, %.1f MB", len(self.table.ready), len(self.table.buckets), used / MB)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture(budget - used)
 
     def _withdraw(self, bucket: int, reason: FallbackReason, detail: str) -> None:
         """The one way a bucket stops replaying: its table entry, record and graphs change together."""
@@ -384,14 +414,19 @@ class GraphRunner:
         for bucket, detail in failed.items():
             self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, detail)
             log.warning("bucket %d failed verification: %s", bucket, detail)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.verify()
 
     def check_buckets(self) -> dict[str, str]:
-        """Each captured bucket's replay against the same step run eagerly on a probe batch
-        (attending to random K/V from `_probe_kv`, both runs from the same cache state): the
+        """Each captured bucket's replay against the same call run eagerly on a probe batch (decode
+        buckets attend to random K/V from `_probe_kv`, both runs from the same cache state): the
         buckets that disagree, by bucket id, with why. Withdraws nothing, so a model gate can check
         and still put the old weights back. Every real slot's KV is left as it was (only the
         scratch slot may change), so this may run again, also with live sequences in the cache."""
-        return {self.bucket_id(b): detail for b, detail in self._failed_decode_buckets().items()}
+        failed = {self.bucket_id(b): detail for b, detail in self._failed_decode_buckets().items()}
+        if self.prefill_graphs is not None:
+            failed |= {self.prefill_graphs.bucket_id(b): d for b, d in self.prefill_graphs.failed_buckets().items()}
+        return failed
 
     def _failed_decode_buckets(self) -> dict[int, str]:
         failed = {}
@@ -440,12 +475,14 @@ class GraphRunner:
         return None
 
     def agree(self) -> None:
-        """With tensor parallelism: a bucket replays only if it is ready on every rank
-        (`capture.agree_on_table`)."""
+        """With tensor parallelism: a bucket (decode or prefill) replays only if it is ready on
+        every rank (`capture.agree_on_table`)."""
         tp = self.model.tp
         if tp.world_size == 1 or not self.enabled:
             return
         agree_on_table(self.table, tp, self.device, self._withdraw)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.agree()
 
     def prepare(self, on_state: Callable[[EngineState], None] = lambda state: None) -> None:
         """Warm up, capture, (with TP) agree, verify and agree again, in the same order on every rank:
@@ -473,7 +510,8 @@ class GraphRunner:
             self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - t0
 
     def graph_memory_mb(self) -> float:
-        return sum(self.records[b].memory_mb for b in self.table.ready)
+        prefill = self.prefill_graphs.memory_mb() if self.prefill_graphs is not None else 0.0
+        return sum(self.records[b].memory_mb for b in self.table.ready) + prefill
 
     def report(self) -> dict:
         """Per decode bucket, its capture facts for status pages."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from policies.dispatch import EngineState, FallbackReason, split_by_permission
-from policies.graph_policy import GraphPolicy
 from policies.kv_blocks import BlockManager
 from policies.lora_slots import AdapterKey, AdapterSlots
 from policies.prefix_hash import adapter_salt
@@ -39,7 +38,18 @@ from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogpro
 from workers.serving.scheduler import QueueFull, Scheduler, Sequence, new_sequence
 from workers.serving.startup import StartupClock
 from workers.serving.stats import CallTimer, EngineStats
-from workers.tensor_parallel.tp import AGREE, DECODE, EAGER, LORA_LOAD, NOOP, PREFILL, STOP, StepChannel, agree
+from workers.tensor_parallel.tp import (
+    AGREE,
+    DECODE,
+    EAGER,
+    EAGER_PREFILL,
+    LORA_LOAD,
+    NOOP,
+    PREFILL,
+    STOP,
+    StepChannel,
+    agree,
+)
 
 log = logging.getLogger(__name__)
 MB = 1 << 20
@@ -63,10 +73,11 @@ class EngineStatus:
     lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
     startup: dict | None = None  # total_s, phases (seconds each, `startup.py`), compiled_graphs
+    prefill_buckets: dict[str, dict] | None = None  # per prefill bucket of token counts, as `buckets`
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for optional in ("shards", "lora", "startup"):
+        for optional in ("shards", "lora", "startup", "prefill_buckets"):
             if out[optional] is None:
                 del out[optional]
         return out
@@ -118,10 +129,12 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
 
 
-def make_runners(model: LlamaModel, cache: KVCache, policy: GraphPolicy) -> StepRunners:
-    """The plain runner and, with LoRA slots, one captured with them (sharing one shadow verifier,
-    whose rate counts the replays of both)."""
-    base = GraphRunner(model, cache, policy)
+def make_runners(model: LlamaModel, cache: KVCache, config: EngineConfig) -> StepRunners:
+    """The plain runner (its prefills captured too, per bucket of token counts up to the step's
+    token budget) and, with LoRA slots, one captured with them (sharing one shadow verifier, whose
+    rate counts the replays of both)."""
+    policy = config.graph_policy
+    base = GraphRunner(model, cache, policy, prefill_buckets=policy.prefill_buckets(config.max_num_batched_tokens))
     if model.lora is None:
         return StepRunners(base)
     lora = GraphRunner(model, cache, policy, lora=True)
@@ -191,7 +204,7 @@ class LLMEngine:
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
         self.sampler = BatchSampler(self.cache.num_slots, model.cfg.vocab_size, self.device)
-        self.runners = make_runners(model, self.cache, config.graph_policy)
+        self.runners = make_runners(model, self.cache, config)
         self.runner = self.runners.base
         self.adapter_slots = AdapterSlots(model.lora.max_loras) if model.lora else None
         self._adapter_loads = 0  # adapters loaded into slots so far: each load's generation
@@ -232,7 +245,7 @@ class LLMEngine:
         for lens in ladder if self.device.type == "cuda" else ladder[:1]:
             batch = PrefillInputs.scratch(lens, self.cache.scratch_slot)
             self._send(PREFILL, batch)
-            logits = self.runner.prefill(batch)
+            logits, _ = self.runner.prefill(batch)
         if self.runners.lora is not None:  # the LoRA path's first call pays its own set-up
             batch = batch._replace(adapters=[1] * len(batch.tokens))
             self._send(PREFILL, batch)
@@ -282,6 +295,7 @@ class LLMEngine:
             },
             lora=self._lora_status(),
             startup=self.startup,
+            prefill_buckets=self.runner.prefill_graphs.report() if self.runner.prefill_graphs else None,
         )
 
     def _lora_status(self) -> dict | None:
@@ -527,10 +541,22 @@ class LLMEngine:
         if self.scheduler.prefix_caching and admitted:  # tokens looked up in the prefix cache, and found there
             self.stats.record_prefix_cache(sum(s.length for s in admitted), sum(s.prefill_start for s in admitted))
         batch = PrefillInputs.of(chunks, self.scheduler.take_edits())
-        self._send(PREFILL, batch)
-        logits = self.runners.of(batch).prefill(batch)
+        # a request denied graphs makes the whole call eager (the graphs' eager twin: same numbers)
+        denial = next((s.graph_denial for s in chunks if s.graph_denial is not None), None)
+        self._send(PREFILL if denial is None else EAGER_PREFILL, batch)
+        runner = self.runners.of(batch)
+        logits, d = runner.prefill(batch, graphs=denial is None)
         rows = [i for i, s in enumerate(chunks) if s.prefill_end == s.length]
-        self.stats.record_prefill(len(rows), len(batch.tokens))
+        reason = denial or d.reason
+        padding = (d.bucket or len(batch.tokens)) - len(batch.tokens)
+        self.stats.record_prefill(
+            len(rows),
+            len(batch.tokens),
+            d.mode.value,
+            runner.prefill_bucket_id(d.bucket),
+            reason.value if reason else "none",
+            padding,
+        )
         if rows:
             seqs = [chunks[i] for i in rows]
             self.sampler.admit(seqs)

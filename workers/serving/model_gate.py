@@ -33,7 +33,7 @@ from workers.serving.engine import LLMEngine, eos_ids, grammar_compiler
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 from workers.serving.stats import EngineStats
-from workers.tensor_parallel.tp import CHECK_BUCKETS, PREFILL, SWAP_LOAD, restore_weights
+from workers.tensor_parallel.tp import CHECK_BUCKETS, EAGER_PREFILL, SWAP_LOAD, restore_weights
 
 GOLDEN_PROMPTS = 4  # rows of one decode batch: a captured bucket of the smallest ladders
 GOLDEN_PROMPT_LEN = 12
@@ -91,8 +91,8 @@ def _eager_probe(engine: LLMEngine, prompts: list[list[int]]) -> None:
         [0] * n,
         lens,
     )
-    engine._send(PREFILL, batch)
-    logits = engine.runner.prefill(batch)
+    engine._send(EAGER_PREFILL, batch)
+    logits, _ = engine.runner.prefill(batch, graphs=False)
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
         raise GateFailed(f"eager probe: {bad} of {logits.numel()} logits are not finite (NaN or inf weights?)")

@@ -68,6 +68,8 @@ class EngineStats:
         self.attention_backend = attention_backend
         # (execution_mode, bucket_id, fallback_reason) -> [steps, rows, padding rows]
         self.step_parts: dict[tuple[str, str, str], list[int]] = {}
+        # the same for prefill calls: (execution_mode, bucket_id, fallback_reason) -> [calls, tokens, padding tokens]
+        self.prefill_parts: dict[tuple[str, str, str], list[int]] = {}
         self.prefill_steps = 0
         self.decode_steps = 0
         self.prompt_tokens = 0
@@ -84,11 +86,19 @@ class EngineStats:
         self.prefix_queries_tokens = 0  # tokens of prefilled sequences looked up in the prefix cache
         self.prefix_hits_tokens = 0  # ... and found there (not computed)
 
-    def record_prefill(self, num_prompts: int, num_tokens: int) -> None:
+    def record_prefill(
+        self, num_prompts: int, num_tokens: int, mode: str, bucket_id: str, reason: str, padding: int
+    ) -> None:
+        """One prefill call: the prompts it finished (each drew its first token), its tokens, how it
+        ran (replayed prefill graphs of a bucket, or eager and why) and its padding tokens."""
         with self._lock:
             self.prefill_steps += 1
             self.prompt_tokens += num_tokens
             self.generated_tokens += num_prompts
+            counts = self.prefill_parts.setdefault((mode, bucket_id, reason), [0, 0, 0])
+            counts[0] += 1
+            counts[1] += num_tokens
+            counts[2] += padding
 
     def record_prefix_cache(self, queried: int, hit: int) -> None:
         """One prefill's prefix-cache lookups: hit / queried is the hit rate (vLLM counts alike)."""
@@ -192,6 +202,19 @@ class EngineStats:
             return {
                 **self.graph_summary(),
                 "prefill_steps": self.prefill_steps,
+                "prefill_step_parts": [
+                    {
+                        "execution_mode": m,
+                        "bucket_id": b,
+                        "fallback_reason": r,
+                        "model_revision": self.model_revision,
+                        "attention_backend": self.attention_backend,
+                        "steps": c[0],
+                        "tokens": c[1],
+                        "padding_tokens": c[2],
+                    }
+                    for (m, b, r), c in sorted(self.prefill_parts.items())
+                ],
                 "decode_steps": self.decode_steps,
                 "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens,

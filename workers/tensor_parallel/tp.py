@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 # SWAP_LOAD: load the checkpoint at the path (payload) in place, keeping the old weights aside;
 # CHECK_BUCKETS: check every captured bucket against eager (a model gate's step); AGREE: every
 # rank votes on what it did since the last vote (rows 1: the vote ends a swap, which each rank
-# then keeps or undoes alike).
-NOOP, PREFILL, DECODE, EAGER, STOP, LORA_LOAD, SWAP_LOAD, CHECK_BUCKETS, AGREE = range(9)
+# then keeps or undoes alike); EAGER_PREFILL: a prefill that may not replay graphs.
+NOOP, PREFILL, DECODE, EAGER, STOP, LORA_LOAD, SWAP_LOAD, CHECK_BUCKETS, AGREE, EAGER_PREFILL = range(10)
 HEADER = 4  # op, rows, payload length, spare
 CAPACITY = 1024  # payload ints sent with the header: a decode step of up to 341 rows fits
 
@@ -150,9 +150,9 @@ class Follower:
                 self.problem = self.problem or f"buckets {sorted(failed)} replay differently from eager"
         elif op == AGREE:
             self._vote(ends_swap=bool(rows))
-        elif op == PREFILL:
+        elif op in (PREFILL, EAGER_PREFILL):
             batch = PrefillInputs.from_ints(rows, values)
-            self.runners.of(batch).prefill(batch)
+            self.runners.of(batch).prefill(batch, graphs=op == PREFILL)
         else:
             batch = DecodeInputs.from_ints(rows, values)
             runner = self.runners.of(batch)
