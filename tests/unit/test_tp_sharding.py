@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from policies.graph_policy import GraphPolicy
 from tests.kv_pages import page_edits
 from tests.unit.conftest import make_hf_checkpoint
 from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
@@ -20,6 +19,7 @@ from workers.modeling.checkpoint import load_model
 from workers.modeling.lora import load_adapter
 from workers.modeling.parallel import TPGroup
 from workers.serving.engine import make_runners
+from workers.serving.engine_config import EngineConfig
 from workers.tensor_parallel.tp import DECODE, PREFILL, STOP, Follower, StepChannel, init_tp_group
 
 STEPS = 32
@@ -86,7 +86,7 @@ def _serve_rank(rank: int, port: int, path: str, out, adapters: list[str]) -> No
         out.put(run_greedy(model, channel.send, rows).numpy())  # by value: this process may exit first
         return
     cache = model.make_kv_cache(len(PROMPTS))
-    Follower(channel, make_runners(model, cache, GraphPolicy())).follow()  # the engine's follower loop
+    Follower(channel, make_runners(model, cache, EngineConfig())).follow()  # the engine's follower loop
 
 
 def load_adapters(model, adapters: list[str]) -> None:

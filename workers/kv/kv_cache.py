@@ -73,7 +73,8 @@ class KVCache:
     def set_pages(self, edits: list[int]) -> None:
         """Apply block-table edits, a flat list of (slot, index, page) triples, in one copy."""
         if edits:
-            slot, index, page = torch.tensor(edits, dtype=torch.int64).view(-1, 3).T.to(self.block_table.device)
+            edits = torch.tensor(edits, dtype=torch.int64).to(self.block_table.device, non_blocking=True)
+            slot, index, page = edits.view(-1, 3).T
             self.block_table[slot, index] = page.to(torch.int32)
 
     def write_index(self, slot_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,14 @@
 """Causal attention for a prefill: prompts packed end to end, each attending to itself only.
 
 On CUDA in bf16/fp16 one variable-length flash-attention call per layer covers every prompt of the
-step (`torch.nn.attention.varlen`). Elsewhere (CPU, fp32, a torch without it) each prompt gets its
-own SDPA call. The single call matters under a burst of arrivals: a prefill of many short prompts
-is launch-bound, and one attention call per prompt per layer made its cost grow with the number of
-prompts rather than their tokens.
+step: torch's FlashAttention-2 op itself, which takes fewer KV heads than query heads (GQA) as
+they are. Elsewhere (CPU, fp32, a GPU without FlashAttention-2) each prompt gets its own SDPA call.
+The single call matters under a burst of arrivals: a prefill of many short prompts is launch-bound,
+and one attention call per prompt per layer made its cost grow with the number of prompts rather
+than their tokens. The op is called directly, not through `torch.nn.attention.varlen`: that
+wrapper (torch 2.11) copies K/V to every query head first and costs ~0.1 ms of host time a call,
+16 to 32 calls a prefill, which prefill graphs (`prefill_pieces.py`) otherwise leave as the
+prefill's host cost (`bench/results/prefill_profile_h200.txt`).
 
 A prompt whose first positions are cached (prefix caching) brings only its other tokens' queries;
 its keys and values are its whole context, read back from its pages after the layer wrote the new
@@ -16,7 +20,7 @@ path builds that mask itself (SDPA's own `is_causal` aligns to the start).
 
 from __future__ import annotations
 
-import inspect
+import functools
 from itertools import accumulate
 
 import torch
@@ -24,14 +28,6 @@ import torch.nn.functional as F
 
 from workers.kv.kv_cache import KVCache
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch before 2.10
-    varlen_attn = None
-
-# The signature moved between torch releases: causality as `is_causal` or as `window_size`, GQA
-# native (`enable_gqa`) or not.
-_VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -41,45 +37,56 @@ class PackedPrompts:
 
     def __init__(self, seq_lens: list[int], device: torch.device, context_lens: list[int] | None = None) -> None:
         self.max_len = max(seq_lens)
-        self.starts = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device)
+        # copies that do not wait for the device, as `torch.tensor(values, device=cuda)` would
+        self.starts = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32).to(device, non_blocking=True)
         self.key_lens = [c + n for c, n in zip(context_lens, seq_lens)] if context_lens else list(seq_lens)
         self.max_keys = max(self.key_lens)
         self.key_starts = self.starts
         if context_lens:
-            self.key_starts = torch.tensor([0, *accumulate(self.key_lens)], dtype=torch.int32, device=device)
+            key_starts = torch.tensor([0, *accumulate(self.key_lens)], dtype=torch.int32)
+            self.key_starts = key_starts.to(device, non_blocking=True)
 
     def key_positions(self, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot, position) of every key, packed: per prompt its slot at positions 0 .. context +
         len - 1. On the device, no host sync: the sizes are known on the host."""
         total = sum(self.key_lens)
-        repeats = torch.tensor(self.key_lens, device=slot_ids.device)
+        repeats = torch.tensor(self.key_lens).to(slot_ids.device, non_blocking=True)
         slots = torch.repeat_interleave(slot_ids[self.starts[:-1].long()], repeats, output_size=total)
         first = torch.repeat_interleave(self.key_starts[:-1].long(), repeats, output_size=total)
         return slots, torch.arange(total, device=slot_ids.device) - first
 
 
+@functools.cache
+def _flash_device(index: int) -> bool:
+    """FlashAttention-2 runs on Ampere (sm_80) and newer."""
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 def packed_supported(x: torch.Tensor, window: int | None) -> bool:
-    """Whether one varlen call can serve a prefill whose activations are like `x` (device, dtype)."""
-    if varlen_attn is None or not x.is_cuda or x.dtype not in _PACKED_DTYPES:
-        return False
-    return "window_size" in _VARLEN_PARAMS or (not window and "is_causal" in _VARLEN_PARAMS)
+    """Whether one varlen call can serve a prefill whose activations are like `x` (device, dtype;
+    any window: flash takes it)."""
+    return x.is_cuda and x.dtype in _PACKED_DTYPES and _flash_device(x.device.index or 0)
 
 
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prompts: PackedPrompts, window: int | None
 ) -> torch.Tensor:
-    """q (tokens, heads, dim), k/v (keys, kv_heads, dim) -> (tokens, heads * dim), one call."""
-    kwargs = {}
-    if "enable_gqa" in _VARLEN_PARAMS:
-        kwargs["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if "window_size" in _VARLEN_PARAMS:
-        kwargs["window_size"] = (window - 1 if window else -1, 0)  # (left, right): causal, windowed if set
-    else:
-        kwargs["is_causal"] = True
-    out = varlen_attn(q, k, v, prompts.starts, prompts.key_starts, prompts.max_len, prompts.max_keys, **kwargs)
+    """q (tokens, heads, dim), k/v (keys, kv_heads, dim) -> (tokens, heads * dim), one call; causal,
+    within the last `window` positions if set."""
+    out = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        prompts.starts,
+        prompts.key_starts,
+        prompts.max_len,
+        prompts.max_keys,
+        0.0,  # dropout
+        True,  # causal, aligned to the keys' end
+        False,  # no debug mask
+        window_size_left=window - 1 if window else -1,
+        window_size_right=0 if window else -1,
+    )[0]
     return out.reshape(q.shape[0], -1)
 
 

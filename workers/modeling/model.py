@@ -51,8 +51,9 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def last_tokens(seq_lens: list[int], device: torch.device) -> torch.Tensor:
-    """Where each of the packed prompts' last token sits."""
-    return torch.tensor(seq_lens, device=device).cumsum(0) - 1
+    """Where each of the packed prompts' last token sits (a copy that does not wait for the device:
+    `torch.tensor(values, device=cuda)` would)."""
+    return torch.tensor(seq_lens).to(device, non_blocking=True).cumsum(0) - 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ from workers.serving.sampling import (
     TokenLogprob,
     apply_penalties,
     apply_token_bitmask,
+    on_device,
     sample,
     token_logprobs,
 )
@@ -138,7 +139,7 @@ class BatchSampler:
         logits = logits.float()
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:  # their rows and slots
-            index = torch.tensor([penalized, [seqs[i].slot for i in penalized]], device=logits.device)
+            index = on_device([penalized, [seqs[i].slot for i in penalized]], torch.int64, logits.device)
             logits = self._penalize(logits, index, [params[i] for i in penalized])
         if any(p.logit_bias for p in params):
             logits = self._bias(logits, params)
@@ -175,7 +176,7 @@ class BatchSampler:
 
     def _penalize(self, logits: torch.Tensor, index: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         values = [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params]
-        presence, frequency, repetition = torch.tensor(values, device=logits.device).T
+        presence, frequency, repetition = on_device(values, torch.float32, logits.device).T
         rows, slots = index
         penalized = apply_penalties(
             logits[rows], self.counts[slots], self.in_prompt[slots], presence, frequency, repetition
@@ -186,8 +187,8 @@ class BatchSampler:
     def _bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         entries = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias]
         rows, ids, biases = zip(*entries)
-        index = torch.tensor([rows, ids], device=logits.device)
-        return logits.index_put((index[0], index[1]), torch.tensor(biases, device=logits.device), accumulate=True)
+        index = on_device([rows, ids], torch.int64, logits.device)
+        return logits.index_put((index[0], index[1]), on_device(biases, torch.float32, logits.device), accumulate=True)
 
     def _record(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the drawn tokens of the penalized rows in their slots' history (a token that ends
@@ -199,7 +200,7 @@ class BatchSampler:
     def _logprobs(
         logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], rows: list[int]
     ) -> list[TokenLogprob | None]:
-        index = torch.tensor(rows, device=logits.device)
+        index = on_device(rows, torch.int64, logits.device)
         chosen, top_values, top_ids = token_logprobs(
             logits[index], tokens[index], max(params[i].logprobs for i in rows)
         )

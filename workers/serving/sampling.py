@@ -186,6 +186,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
     return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list as a device tensor, by a copy that does not wait for the device: on CUDA,
+    `torch.tensor(values, device=cuda)` synchronizes with the stream, so the host would wait for the
+    replayed step to end and the device then idle while each later kernel is launched."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
     """One token per row. `seeds[i]` is row i's request seed, `steps[i]` how many tokens it has drawn."""
     logits = logits.float()
@@ -193,15 +200,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if all(p.greedy for p in params):
         return greedy
     device = logits.device
-    temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    temps = on_device([p.temperature or 1.0 for p in params], torch.float32, device)
     scaled = logits / temps[:, None]
     if any(p.top_k or p.top_p < 1.0 for p in params):
         # a top_k beyond the vocabulary keeps every token; clamped, it also fits the int64 tensor
-        top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = on_device([min(p.top_k, logits.shape[-1]) for p in params], torch.int64, device)
+        top_p = on_device([p.top_p for p in params], torch.float32, device)
         scaled = filter_top_k_top_p(scaled, top_k, top_p)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-    step_t = torch.tensor(steps, dtype=torch.int64, device=device)
+    seed_t = on_device(seeds, torch.int64, device)
+    step_t = on_device(steps, torch.int64, device)
     drawn = (scaled + gumbel_noise(seed_t, step_t, logits.shape[-1])).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
+    is_greedy = on_device([p.greedy for p in params], torch.bool, device)
     return torch.where(is_greedy, greedy, drawn)
