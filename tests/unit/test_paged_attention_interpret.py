@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from tests.paged_decode_cases import assert_matches, cdiv, decode, make_case  # noqa: E402
-from workers.kv.paged_attention import NO_WINDOW, WorkConfig, max_items, run_plan  # noqa: E402
+from workers.kv.paged_attention import MERGE_BLOCK, NO_WINDOW, WorkConfig, max_items, run_plan  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_the_interpreter's child")
@@ -85,6 +85,15 @@ def test_matches_reference(dtype, group, head_dim, page_size, window, config):
     if window != 7:  # a window of 7 keeps every row to one chunk; the other cases must cut some
         assert (run_plan(args[5], window, config)[1][:, 1] > 1).sum() >= 2
     assert_matches(decode(args, window, config), args, window)
+
+
+@interpreted
+def test_more_chunks_than_the_merge_reads_at_once():
+    """A row of 63 chunks: the merge reads them MERGE_BLOCK at a time with a running max."""
+    args = make_case([1000, 3], 2, 4, 64, 16, torch.float32, "cpu")
+    config = WorkConfig(100, block_n=16)
+    assert run_plan(args[5], None, config)[1][0, 1] > MERGE_BLOCK
+    assert_matches(decode(args, None, config), args, None)
 
 
 @interpreted
