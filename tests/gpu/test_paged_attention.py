@@ -12,7 +12,6 @@ from tests.paged_decode_cases import assert_matches, cdiv, decode, lengths_for, 
 from workers.kv.paged_attention import (
     WorkConfig,
     available,
-    default_config,
     paged_decode,
     paged_decode_plan,
     paged_decode_reference,
@@ -105,7 +104,7 @@ def test_cuda_graph_replay_over_mixed_lengths(window):
 
     def step():
         plan = paged_decode_plan(lengths, window, kv_heads, head_dim)
-        return [paged_decode(q, k_pages, v_pages, table, slot_ids, *plan) for k_pages, v_pages in layers]
+        return plan, [paged_decode(q, k_pages, v_pages, table, slot_ids, *plan) for k_pages, v_pages in layers]
 
     load(STATES[0])
     stream = torch.cuda.Stream()
@@ -115,15 +114,18 @@ def test_cuda_graph_replay_over_mixed_lengths(window):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = step()
-    assert default_config(kv_heads, head_dim, q.device).items_per_kv_head > len(STATES[0])
+        (items, _), outs = step()
+    shapes = set()  # (items used, the longest item) of each replay's plan
     for state in STATES:
         load(state)
         graph.replay()
-        eager = step()
+        real = items[items[:, 0] >= 0]
+        shapes.add((len(real), int((real[:, 2] - real[:, 1]).max())))
+        _, eager = step()
         for out, expected, (k_pages, v_pages) in zip(outs, eager, layers):
             assert torch.equal(out, expected)
             assert_matches(out, (q, k_pages, v_pages, table, slot_ids, lengths), window)
+    assert len(shapes) >= 3, shapes
 
 
 def test_inside_torch_compile():
