@@ -9,21 +9,34 @@ of one invocation come from one process on one GPU, so compare them as ratios.
 
 With --max-model-len and --context it measures what a server configured for long contexts pays
 for short ones: for each max_model_len, each live context and each batch size, eager, full graphs
-and full graphs + compile, the engine's default paged KV pool and attention backend. The contexts
-are written into the pool without running their prefill (decode speed does not depend on the KV
-values), so a context of 4096 at batch 128 costs no half-million-token prefill.
+and full graphs + compile (--variants), the engine's default paged KV pool and attention backend.
+The contexts are written into the pool without running their prefill (decode speed does not depend
+on the KV values), so a context of 4096 at batch 128 costs no half-million-token prefill.
 
     python bench/decode_tpot.py --configs 8b --max-model-len 512 8192 --context 256 4096 \
         --batch-sizes 1 8 32 64 128 256 --out bench/results/decode_long_context_8b_h200.json
+
+--context-mix adds batches whose rows have different live contexts (`mixed_contexts`: lognormal,
+mean ~1,175 tokens; bimodal, half 128 and half 7,000), made by a real prefill through the engine;
+an empty --context leaves the uniform ones out. Every row has its x_floor: TPOT over (weights +
+the batch's live KV) at the measured copy bandwidth. --merge-into adds the rows to a results file
+of earlier runs (a row of the same config, max_model_len, context, batch size and variant is
+replaced) and rewrites its markdown table.
+
+    python bench/decode_tpot.py --configs 8b --max-model-len 8192 --variants full+compile --context \
+        --context-mix lognormal --batch-sizes 32 64 128 --out bench/results/decode_mixed_8b_lognormal_h200.json \
+        --merge-into bench/results/decode_long_context_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
+from statistics import NormalDist
 
 import torch
 
@@ -38,6 +51,10 @@ from workers.serving.sampling import SamplingParams, sample
 
 PROMPT_LEN = 128
 TENANT_DISABLED = FallbackReason.TENANT_DISABLED
+VARIANTS = {"eager": ("eager", False), "full": ("full", False), "full+compile": ("full", True)}
+# The log-normal mix: median 750 tokens, sigma 1.0 (of the log), clipped to [32, 6000]: mean ~1,175.
+LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA, LOGNORMAL_CLIP = 750, 1.0, (32, 6000)
+BIMODAL = (128, 7000)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -122,6 +139,105 @@ def long_context_tpot(engine: LLMEngine, batch_size: int, context: int, steps: i
     return timed_steps(engine, seeded_decode_batch(engine, batch_size, context, steps + warmup + 2), steps, warmup)
 
 
+def mixed_contexts(mix: str, batch_size: int) -> list[int]:
+    """Live contexts of a mixed batch, in a seeded random order. lognormal: the batch_size quantiles
+    of the log-normal above (not random draws, so every batch size has the mix's mean, ~1,175);
+    bimodal: half BIMODAL[0] tokens, half BIMODAL[1]."""
+    if mix == "lognormal":
+        normal, (low, high) = NormalDist(), LOGNORMAL_CLIP
+        quantiles = (math.exp(LOGNORMAL_SIGMA * normal.inv_cdf((i + 0.5) / batch_size)) for i in range(batch_size))
+        contexts = [min(high, max(low, round(LOGNORMAL_MEDIAN * q))) for q in quantiles]
+    else:
+        contexts = [BIMODAL[i % 2] for i in range(batch_size)]
+    order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(batch_size))
+    return [contexts[i] for i in order.tolist()]
+
+
+def prefilled_batch(engine: LLMEngine, contexts: list[int]) -> list:
+    """One sequence per context, prefilled for real through the engine (prompts of context - 1
+    random tokens, chunked by the step budget) and stepped until none has prompt left; the ones done
+    first decode meanwhile, so they are a few tokens past their context. Seeded by the contexts, so
+    two mixes of one batch size share no prompt prefix (the prefix cache would skip its prefill)."""
+    g = torch.Generator().manual_seed(sum(contexts))
+    vocab = engine.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=engine.scheduler.max_model_len, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(torch.randint(0, vocab, (n - 1,), generator=g).tolist(), params) for n in contexts]
+    while engine.scheduler.waiting or any(s.in_prefill for s in seqs):
+        engine.step()
+    return seqs
+
+
+def mixed_row(engine: LLMEngine, mix: str, batch_size: int, args: argparse.Namespace) -> dict | None:
+    """TPOT of a batch of `mix` contexts, or None when the KV pool cannot hold it. Its live KV is
+    taken at the first timed step (after the warmup)."""
+    contexts = mixed_contexts(mix, batch_size)
+    budget, page = engine.config.max_num_batched_tokens, engine.cache.page_size
+    prefill_steps = -(-sum(contexts) // max(1, budget - batch_size)) + 1
+    growth = prefill_steps + args.warmup + args.steps + 2 * page
+    scheduler = engine.scheduler
+    if max(contexts) + growth > scheduler.max_model_len:
+        return None
+    if sum(contexts) + batch_size * growth > scheduler.blocks.capacity_tokens:
+        return None
+    seqs = prefilled_batch(engine, contexts)
+    for _ in range(args.warmup):
+        engine.step()
+    live = [s.length for s in seqs]
+    times = timed_steps(engine, seqs, args.steps, 0)
+    return dict(
+        context_len=statistics.mean(live),
+        context_min=min(live),
+        context_max=max(live),
+        live_tokens=sum(live),
+        times=times,
+    )
+
+
+def tpot_row(base: dict, bs: int, mix: str, context_len: float, floor_ms: float, times: list[float], **extra) -> dict:
+    row = dict(
+        base,
+        context_mix=mix,
+        context_len=context_len,
+        batch_size=bs,
+        tpot_ms_median=statistics.median(times),
+        tpot_ms_p99=percentile(times, 0.99),
+        floor_ms=floor_ms,
+        x_floor=statistics.median(times) / floor_ms,
+        tokens_per_s=bs / statistics.median(times) * 1e3,
+        **extra,
+    )
+    print(row, flush=True)
+    return row
+
+
+def engine_rows(engine: LLMEngine, weight_bytes: int, base: dict, args: argparse.Namespace, bandwidth: float) -> list:
+    """One engine's rows: each uniform context, then each mix, at each batch size that fits."""
+    rows = []
+    kv_per_token = engine.model.kv_bytes_per_token()
+    capacity = engine.scheduler.blocks.capacity_tokens
+    max_model_len = engine.scheduler.max_model_len
+
+    def floor_ms(live_tokens: int) -> float:
+        return (weight_bytes + live_tokens * kv_per_token) / bandwidth * 1e3
+
+    for context in args.context:
+        for bs in args.batch_sizes:
+            span = context + args.steps + args.warmup + 2
+            if span > max_model_len or bs * (span + engine.cache.page_size) > capacity:
+                continue
+            times = long_context_tpot(engine, bs, context, args.steps, args.warmup)
+            rows.append(tpot_row(base, bs, "uniform", context, floor_ms(bs * context), times))
+    for mix in args.context_mix:
+        for bs in args.batch_sizes:
+            measured = mixed_row(engine, mix, bs, args)
+            if measured is None:
+                print(f"skipped: {mix} at batch {bs} does not fit the KV pool or max_model_len", flush=True)
+                continue
+            live_tokens = measured.pop("live_tokens")
+            rows.append(tpot_row(base, bs, mix, floor_ms=floor_ms(live_tokens), live_tokens=live_tokens, **measured))
+    return rows
+
+
 def long_context(args: argparse.Namespace, bandwidth: float) -> dict:
     """The long-context matrix (see the module docstring); one row per measurement."""
     rows, engines = [], []
@@ -130,7 +246,7 @@ def long_context(args: argparse.Namespace, bandwidth: float) -> dict:
         cfg = parse_config(BENCH_CONFIGS[name])
         for max_model_len in args.max_model_len:
             model = random_model(name, max_model_len, "cuda")
-            for mode, compiled in [("eager", False), ("full", False), ("full", True)]:
+            for mode, compiled in (VARIANTS[v] for v in args.variants):
                 t0 = time.perf_counter()
                 policy = GraphPolicy(mode=mode, compile=compiled, decode_batch_buckets=buckets)
                 engine = LLMEngine(
@@ -152,34 +268,19 @@ def long_context(args: argparse.Namespace, bandwidth: float) -> dict:
                     )
                 )
                 print({k: v for k, v in engines[-1].items() if k != "buckets"}, flush=True)
-                capacity = engine.scheduler.blocks.capacity_tokens
-                for context in args.context:
-                    for bs in args.batch_sizes:
-                        span = context + args.steps + args.warmup + 2
-                        if span > max_model_len or bs * (span + engine.cache.page_size) > capacity:
-                            continue
-                        times = long_context_tpot(engine, bs, context, args.steps, args.warmup)
-                        live_kv = bs * context * engine.model.kv_bytes_per_token()
-                        rows.append(
-                            dict(
-                                config=name,
-                                max_model_len=max_model_len,
-                                context_len=context,
-                                batch_size=bs,
-                                mode=mode,
-                                compile=compiled,
-                                tpot_ms_median=statistics.median(times),
-                                tpot_ms_p99=percentile(times, 0.99),
-                                floor_ms=(cfg.weight_bytes() + live_kv) / bandwidth * 1e3,
-                                tokens_per_s=bs / statistics.median(times) * 1e3,
-                            )
-                        )
-                        print(rows[-1], flush=True)
+                base = dict(config=name, max_model_len=max_model_len, mode=mode, compile=compiled)
+                rows += engine_rows(engine, cfg.weight_bytes(), base, args, bandwidth)
                 del engine
                 torch.cuda.empty_cache()
             del model
             torch.cuda.empty_cache()
     return {"rows": rows, "engines": engines}
+
+
+def context_label(row: dict) -> int | str:
+    """A uniform row's context length, or a mixed row's mix and its mean live context."""
+    mix = row.get("context_mix", "uniform")
+    return row["context_len"] if mix == "uniform" else f"{mix} (mean {row['context_len']:.0f})"
 
 
 def long_context_markdown(meta: dict, rows: list[dict]) -> str:
@@ -196,9 +297,10 @@ def long_context_markdown(meta: dict, rows: list[dict]) -> str:
         "|---|---|---|---|" + "---|" * (len(lengths) + 4),
     ]
     keyed = {
-        (r["config"], r["mode"], r["compile"], r["context_len"], r["batch_size"], r["max_model_len"]): r for r in rows
+        (r["config"], r["mode"], r["compile"], context_label(r), r["batch_size"], r["max_model_len"]): r for r in rows
     }
-    for key in sorted({k[:5] for k in keyed}, key=lambda k: (k[0], k[1], k[2], k[3], k[4])):
+    order = lambda k: (k[0], k[1], k[2], isinstance(k[3], str), k[3], k[4])  # noqa: E731
+    for key in sorted({k[:5] for k in keyed}, key=order):
         got = [keyed.get((*key, m)) for m in lengths]
         last = got[-1] or next(r for r in got if r)
         cells = " | ".join(f"{r['tpot_ms_median']:.3f}" if r else "-" for r in got)
@@ -209,6 +311,30 @@ def long_context_markdown(meta: dict, rows: list[dict]) -> str:
             f"{last['floor_ms']:.3f} | {last['tpot_ms_median'] / last['floor_ms']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def row_key(row: dict) -> tuple:
+    """What a row measured: a later run's row of the same key replaces it. A mixed row's key is its
+    mix, not its measured mean context."""
+    mix = row.get("context_mix", "uniform")
+    context = row["context_len"] if mix == "uniform" else None
+    return (row["config"], row["max_model_len"], mix, context, row["batch_size"], row["mode"], row["compile"])
+
+
+def merge_into(path: Path, meta: dict, result: dict, source: str) -> None:
+    """This run's rows and engines added to the results file at `path` (its rows of the same key
+    replaced, the others kept), this run's meta listed under meta.merged_runs, and the markdown table
+    beside it (.md) rewritten from all its rows."""
+    merged = json.loads(path.read_text())
+    new_keys = {row_key(r) for r in result["rows"]}
+    merged["rows"] = [r for r in merged["rows"] if row_key(r) not in new_keys] + result["rows"]
+    merged["engines"] = merged.get("engines", []) + result["engines"]
+    merged["meta"].setdefault("merged_runs", []).append(dict(meta, source=source))
+    path.write_text(json.dumps(merged, indent=1))
+    sources = merged["meta"].get("sources", []) + [r["source"] for r in merged["meta"]["merged_runs"]]
+    title = f"# Decode TPOT at long max_model_len, short and mixed live contexts ({', '.join(sources)})"
+    markdown = [title, "", long_context_markdown(merged["meta"], merged["rows"])]
+    path.with_suffix(".md").write_text("\n".join(markdown) + "\n")
 
 
 def step_breakdown(engine: LLMEngine, steps: int = 100) -> dict[str, float]:
@@ -278,6 +404,9 @@ def main() -> None:
     ap.add_argument("--compile-configs", nargs="*", default=[], help="configs to also run with compile: true")
     ap.add_argument("--max-model-len", nargs="*", type=int, default=[], help="the long-context matrix (see above)")
     ap.add_argument("--context", nargs="*", type=int, default=[256, 4096])
+    ap.add_argument("--context-mix", nargs="*", default=[], choices=["lognormal", "bimodal"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--merge-into", type=Path, help="a long-context results file to add this run's rows to")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -292,6 +421,8 @@ def main() -> None:
         result = {"meta": meta, **long_context(args, bandwidth)}
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(long_context_markdown(meta, result["rows"]))
+        if args.merge_into:
+            merge_into(args.merge_into, meta, result, Path(args.out).name)
         return
     rows, captures, breakdowns = [], [], []
 

@@ -19,18 +19,23 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.decode_tpot import long_context_markdown  # noqa: E402
+from bench.decode_tpot import context_label, long_context_markdown  # noqa: E402
 
 FIELDS = (
     "config",
     "max_model_len",
+    "context_mix",
     "context_len",
+    "context_min",
+    "context_max",
+    "live_tokens",
     "batch_size",
     "mode",
     "compile",
     "tpot_ms_median",
     "tpot_ms_p99",
     "floor_ms",
+    "x_floor",
     "tokens_per_s",
 )
 
@@ -40,7 +45,7 @@ def plot(rows: list[dict], dst: Path) -> None:
     configs = sorted({r["config"] for r in rows})
     fig, axes = plt.subplots(1, len(configs), figsize=(6.5 * len(configs), 4.5), squeeze=False)
     for ax, config in zip(axes[0], configs):
-        mine = [r for r in rows if r["config"] == config and r["context_len"] == 256]
+        mine = [r for r in rows if r["config"] == config and context_label(r) == 256]
         for mode, compiled in (("eager", False), ("full", False), ("full", True)):
             for mml, style in ((512, "--"), (8192, "-")):
                 pts = sorted(
@@ -68,7 +73,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="path without suffix: .json, .md and .png are written")
     args = ap.parse_args()
     runs = [json.loads(Path(p).read_text()) for p in args.runs]
-    rows = [{k: r[k] for k in FIELDS} for run in runs for r in run["rows"]]
+    rows = [{k: r[k] for k in FIELDS if k in r} for run in runs for r in run["rows"]]
     engines = [e for run in runs for e in run["engines"]]
     meta = dict(runs[0]["meta"], sources=[Path(p).name for p in args.runs])
     out = Path(args.out)

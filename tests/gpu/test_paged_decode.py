@@ -1,8 +1,9 @@
 """The paged KV cache end to end on the real GPU: graph replay equals eager token for token when
 sequences are preempted and prefilled again, when their pages are scattered over the pool by
-earlier traffic, when they cross page boundaries mid-run, when max_model_len is long but contexts
-short (each backend, odd batch sizes, the default bucket ladder), and for a Mistral checkpoint
-whose sliding window is shorter than the contexts (checked against transformers too)."""
+earlier traffic, when they cross page boundaries mid-run, when a batch mixes short and long rows
+whose attention work items change as they grow, when max_model_len is long but contexts short
+(each backend, odd batch sizes, the default bucket ladder), and for a Mistral checkpoint whose
+sliding window is shorter than the contexts (checked against transformers too)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from tests.gpu.test_graph_runner import (
     run,
     step,
 )
+from workers.kv import paged_attention
+from workers.kv.paged_attention import WorkConfig
 from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
@@ -145,6 +148,36 @@ def test_scattered_pages_and_page_crossings_graph_equals_eager(mode, backend):
     expected_mode = "cuda_graph" if mode == "full" else "piecewise"
     parts = decode_parts(graph)
     assert {m for m, _, _ in parts} == {expected_mode} and {r for _, _, r in parts} == {"none"}
+    assert len({b for _, b, _ in parts}) >= 2, parts
+
+
+# ---------------------------------------------------------------- mixed lengths, work items that change
+
+
+MIXED_LENGTHS = [1, 30, 63, 64, 65, 100, 127, 200, 333, 500, 700]
+
+
+@pytest.mark.parametrize("items_per_kv_head", [None, 4])
+def test_mixed_lengths_graph_equals_eager_as_work_items_change(monkeypatch, items_per_kv_head):
+    """Prompts of 1 to 700 tokens decoding 80-119 greedy tokens each (fp32), the batch shrinking
+    through buckets as they finish: the triton kernel replayed from graphs draws what it draws
+    eagerly and what eager sdpa draws, token for token. The tiny model's default plan cuts rows into
+    64-token chunks, so every row's chunk count changes as it grows (any 80 steps pass a multiple of
+    64 plus 32, where the rounded count steps); with 4 items a KV head the chunk size itself moves
+    with the batch's total every few steps, inside the captured graphs."""
+    if items_per_kv_head is not None:
+        config = WorkConfig(items_per_kv_head)
+        monkeypatch.setattr(paged_attention, "default_config", lambda kv_heads, head_dim, device: config)
+    reqs = mixed(13, MIXED_LENGTHS, random_lengths(14, len(MIXED_LENGTHS), 80, 120), greedy_every=1)
+    options = dict(max_num_seqs=16, max_model_len=1024, buckets=None)
+    graph = make_engine("full", "triton", **options)
+    outs = {"graph": run(graph, reqs).outputs}
+    for name, backend in (("eager", "triton"), ("sdpa", "sdpa")):
+        outs[name] = run(make_engine("eager", backend, **options), reqs).outputs
+    assert outs["graph"] == outs["eager"], "graph != eager (same kernel)"
+    assert outs["graph"] == outs["sdpa"], "triton != sdpa"
+    parts = decode_parts(graph)
+    assert {(m, r) for m, _, r in parts} == {("cuda_graph", "none")}
     assert len({b for _, b, _ in parts}) >= 2, parts
 
 

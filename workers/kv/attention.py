@@ -1,7 +1,9 @@
 """Decode attention backends over the paged KV cache. Each declares how far it can be captured.
 
-- `triton`: a split-KV Triton kernel over the block table (`paged_attention.py`) that reads only each
-  row's live keys. Fixed launch shape and no host sync, so the whole step is captured (`full`). CUDA.
+- `triton`: Triton kernels over the block table (`paged_attention.py`) that read only each row's live
+  keys, in work items of about equal size whatever the mix of lengths; the step's work plan is made
+  on the device once (`prepare`) and read by every layer. Fixed launch shapes and no host sync, so
+  the whole step is captured (`full`). CUDA.
 - `sdpa`: gathers each row's whole block table (max_model_len positions) and masks by length. Fixed
   shapes, no host sync (`full`), but its cost follows max_model_len, not the live context. Runs
   anywhere: the CPU path, and the reference the kernel is checked against.
@@ -45,13 +47,14 @@ class TritonDecode:
     name = "triton"
     graph_support: GraphSupport = "full"
 
-    def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        return positions + 1  # live lengths
+    def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None) -> paged_attention.Plan:
+        """The work plan over the live lengths (positions + 1), the window already applied: once a
+        step rather than once a layer, since every layer reads the same lengths."""
+        kv_heads, head_dim = cache.k.shape[-2:]
+        return paged_attention.paged_decode_plan(positions + 1, window, kv_heads, head_dim)
 
-    def __call__(self, q, cache: KVCache, layer: int, slot_ids, lengths, window: int | None) -> torch.Tensor:
-        return paged_attention.paged_decode(
-            q, cache.k[layer], cache.v[layer], cache.block_table, slot_ids, lengths, window
-        )
+    def __call__(self, q, cache: KVCache, layer: int, slot_ids, plan, window: int | None) -> torch.Tensor:
+        return paged_attention.paged_decode(q, cache.k[layer], cache.v[layer], cache.block_table, slot_ids, *plan)
 
 
 class SdpaDecode:
