@@ -2,9 +2,9 @@
 new, 2,032 tokens, and (b) 32 new tokens after a cached 2,000-token prefix, on random weights of a
 real shape; the top operators by self CPU and by device time, then the median wall time of such
 steps without a profiler and the host's Python functions by own time (cProfile) over them,
-written to --out.
+written to --out as markdown.
 
-    python -m bench.prefill_profile --config 1b --out bench/results/prefill_profile_h200.txt
+    python -m bench.prefill_profile --config 1b --out bench/results/prefill_profile_h200.md
 """
 
 from __future__ import annotations
@@ -15,13 +15,19 @@ import io
 import pstats
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.prefix_cache import bench_model, make_engine, random_tokens, sync
 from workers.serving.sampling import SamplingParams
+
+
+def fenced(text: str) -> str:
+    return f"```\n{text.rstrip()}\n```\n"
 
 
 def main() -> None:
@@ -54,8 +60,8 @@ def main() -> None:
             wall = (time.perf_counter() - start) * 1e3
         table = prof.key_averages()
         report.append(f"## {name}: step {wall:.2f} ms under the profiler\n")
-        report.append(table.table(sort_by="self_cpu_time_total", row_limit=25))
-        report.append(table.table(sort_by="self_cuda_time_total", row_limit=15))
+        report.append(fenced(table.table(sort_by="self_cpu_time_total", row_limit=25)))
+        report.append(fenced(table.table(sort_by="self_cuda_time_total", row_limit=15)))
         walls, host = [], cProfile.Profile()
         for profiled in [False] * 10 + [True] * 10:  # timed without cProfile, then profiled
             prefix = random_tokens(rng, 2000, vocab)
@@ -76,8 +82,11 @@ def main() -> None:
         out = io.StringIO()
         pstats.Stats(host, stream=out).sort_stats("tottime").print_stats(30)
         report.append(f"## {name}: step {statistics.median(walls):.2f} ms median of 10; host functions over 10 more\n")
-        report.append(out.getvalue())
-    Path(args.out).write_text("\n".join(report))
+        report.append(fenced(out.getvalue()))
+    device = torch.cuda.get_device_name()
+    title = f"# Where a prefill step's time goes ({args.config}, {device}, torch {torch.__version__})\n"
+    command = f"`python -m bench.prefill_profile {' '.join(sys.argv[1:])}`\n"
+    Path(args.out).write_text("\n".join([title, *report, command]))
     print("\n".join(line for line in report if line.startswith("##")))
 
 

@@ -8,7 +8,7 @@ and one attention call per prompt per layer made its cost grow with the number o
 than their tokens. The op is called directly, not through `torch.nn.attention.varlen`: that
 wrapper (torch 2.11) copies K/V to every query head first and costs ~0.1 ms of host time a call,
 16 to 32 calls a prefill, which prefill graphs (`prefill_pieces.py`) otherwise leave as the
-prefill's host cost (`bench/results/prefill_profile_h200.txt`).
+prefill's host cost (`bench/results/prefill_profile_h200.md`).
 
 A prompt whose first positions are cached (prefix caching) brings only its other tokens' queries;
 its keys and values are its whole context, read back from its pages after the layer wrote the new
