@@ -40,12 +40,9 @@ def main() -> None:
     rng, vocab = random.Random(0), model.cfg.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     report = []
-    for name, cached in (("all new", False), ("cached prefix", True)):
-        for _ in range(3):  # warm: the same shapes as the profiled step
-            prefix = random_tokens(rng, 2000, vocab)
-            engine.add_request(prefix + random_tokens(rng, 32, vocab), params)
-            while engine.has_work():
-                engine.step()
+
+    def stage(cached: bool) -> None:
+        """Queue the step to time: 32 new tokens after a 2,000-token prefix (cached first if asked)."""
         prefix = random_tokens(rng, 2000, vocab)
         if cached:
             engine.add_request(prefix + random_tokens(rng, 32, vocab), params)
@@ -53,6 +50,13 @@ def main() -> None:
                 engine.step()
         engine.add_request(prefix + random_tokens(rng, 32, vocab), params)
         sync(engine)
+
+    for name, cached in (("all new", False), ("cached prefix", True)):
+        for _ in range(3):  # warm: the same shapes as the profiled step
+            stage(False)
+            while engine.has_work():
+                engine.step()
+        stage(cached)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             engine.step()
@@ -64,13 +68,7 @@ def main() -> None:
         report.append(fenced(table.table(sort_by="self_cuda_time_total", row_limit=15)))
         walls, host = [], cProfile.Profile()
         for profiled in [False] * 10 + [True] * 10:  # timed without cProfile, then profiled
-            prefix = random_tokens(rng, 2000, vocab)
-            if cached:
-                engine.add_request(prefix + random_tokens(rng, 32, vocab), params)
-                while engine.has_work():
-                    engine.step()
-            engine.add_request(prefix + random_tokens(rng, 32, vocab), params)
-            sync(engine)
+            stage(cached)
             start = time.perf_counter()
             if profiled:
                 host.enable()

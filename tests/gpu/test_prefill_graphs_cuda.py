@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy
+from tests.prefill_batches import packed, random_prompts, run_staggered
 from workers.graphs.prefill_graphs import PrefillGraphs
 from workers.kv.prefill_attention import packed_supported
-from workers.model_runner.step_inputs import PrefillInputs
 from workers.modeling.checkpoint import load_model
 from workers.modeling.default_model import default_model_dir
 from workers.serving.engine import LLMEngine
@@ -28,11 +27,6 @@ BUCKETS = (16, 64, 256)
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path_factory.getbasetemp() / "models"))
-
-
-def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 @torch.inference_mode()
@@ -51,8 +45,8 @@ def test_replayed_prefill_pieces_equal_their_eager_twin_in_bf16():
         prompts = random_prompts([n + c for n, c in zip(lens, contexts)], vocab, seed)
         cached = [(p[:c], slot) for slot, (p, c) in enumerate(zip(prompts, contexts)) if c]
         for p, slot in cached:  # the contexts' K/V, from a plain prefill
-            graphs.pieces.run(batch([p], [slot], [0]), 64)
-        b = batch(prompts, list(range(len(prompts))), contexts)
+            graphs.pieces.run(packed([p], [slot], [0]), 64)
+        b = packed(prompts, list(range(len(prompts))), contexts)
         twin, dispatch = graphs.prefill(b, graphs=False, plain=None)
         replayed, replay_dispatch = graphs.prefill(b, graphs=True, plain=None)
         assert replay_dispatch.bucket == dispatch.bucket == min(x for x in BUCKETS if x >= len(b.tokens))
@@ -61,16 +55,6 @@ def test_replayed_prefill_pieces_equal_their_eager_twin_in_bf16():
         tokens, positions, slots, _ = b.to_device(torch.device("cuda"))
         plain = model.prefill(tokens, positions, slots, b.lens, cache, None, b.context_lens)
         assert (replayed.float() - plain.float()).abs().max() <= 0.05 * plain.float().abs().max()
-
-
-def batch(prompts: list[list[int]], slots: list[int], contexts: list[int]) -> PrefillInputs:
-    return PrefillInputs(
-        [t for p, c in zip(prompts, contexts) for t in p[c:]],
-        [i for p, c in zip(prompts, contexts) for i in range(c, len(p))],
-        [s for p, s, c in zip(prompts, slots, contexts) for _ in range(c, len(p))],
-        [0] * sum(len(p) - c for p, c in zip(prompts, contexts)),
-        [len(p) - c for p, c in zip(prompts, contexts)],
-    )
 
 
 def engine(capture_prefill: bool, **config) -> LLMEngine:
@@ -89,19 +73,6 @@ def engine(capture_prefill: bool, **config) -> LLMEngine:
     return LLMEngine.from_config(config)[0]
 
 
-def run_staggered(engine: LLMEngine, prompts, params, denied=frozenset()) -> list[list[int]]:
-    seqs, pending, steps = [], list(enumerate(prompts)), 0
-    while pending or engine.has_work():
-        for i, prompt in pending[:3]:
-            reason = FallbackReason.TENANT_DISABLED if i in denied else None
-            seqs.append(engine.add_request(prompt, params[i], graph_denial=reason))
-        pending = pending[3:]
-        engine.step()
-        steps += 1
-        assert steps < 5_000
-    return [s.output_ids for s in seqs]
-
-
 @pytest.mark.parametrize("budget", [None, 96])
 def test_an_engine_replaying_prefill_graphs_decodes_what_one_without_does(budget):
     config = {} if budget is None else {"max_num_batched_tokens": budget}
@@ -115,7 +86,7 @@ def test_an_engine_replaying_prefill_graphs_decodes_what_one_without_does(budget
         SamplingParams(max_tokens=12, temperature=0.0 if i % 3 else 0.9, seed=i, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    assert run_staggered(graphed, prompts, params, denied={4}) == run_staggered(plain, prompts, params)
+    assert run_staggered(graphed, prompts, params, 3, denied=frozenset({4})) == run_staggered(plain, prompts, params, 3)
     parts = {(p["execution_mode"], p["fallback_reason"]) for p in graphed.status().stats["prefill_step_parts"]}
     assert ("piecewise", "none") in parts and ("eager", "tenant_disabled") in parts
     report = graphed.status().prefill_buckets

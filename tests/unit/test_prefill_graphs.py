@@ -14,6 +14,7 @@ import torch
 import workers.serving.engine
 from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy, default_prefill_buckets
+from tests.prefill_batches import packed, random_prompts, run_staggered
 from tests.unit.engine_fixtures import load_tiny, new_engine
 from tests.unit.graph_faults import EagerGraphRunner, EagerPrefillGraphs, piece_reads_the_next_token
 from workers.model_runner.prefill_pieces import PrefillPieces
@@ -26,22 +27,6 @@ BUCKETS = (16, 32, 48)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load_tiny(tmp_path_factory)
-
-
-def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
-
-
-def packed(prompts: list[list[int]], slots: list[int], contexts: list[int]) -> PrefillInputs:
-    """Each prompt's tokens after its context (positions context .. len - 1) in its slot."""
-    return PrefillInputs(
-        [t for p, c in zip(prompts, contexts) for t in p[c:]],
-        [i for p, c in zip(prompts, contexts) for i in range(c, len(p))],
-        [s for p, s, c in zip(prompts, slots, contexts) for _ in range(c, len(p))],
-        [0] * sum(len(p) - c for p, c in zip(prompts, contexts)),
-        [len(p) - c for p, c in zip(prompts, contexts)],
-    )
 
 
 def give_pages(cache, slots: list[int], lens: list[int]) -> None:
@@ -105,20 +90,6 @@ def prefill_graph_engine(tiny, monkeypatch, faults=None, capture_prefill=True, *
     return new_engine(tiny, graph_policy=policy, **config)
 
 
-def run_staggered(engine, prompts: list[list[int]], params: list[SamplingParams], denied: set[int] = frozenset()):
-    """Requests arriving two per step; returns each one's output tokens."""
-    seqs, pending, steps = [], list(enumerate(prompts)), 0
-    while pending or engine.has_work():
-        for i, prompt in pending[:2]:
-            reason = FallbackReason.TENANT_DISABLED if i in denied else None
-            seqs.append(engine.add_request(prompt, params[i], graph_denial=reason))
-        pending = pending[2:]
-        engine.step()
-        steps += 1
-        assert steps < 2_000
-    return [s.output_ids for s in seqs]
-
-
 def prefill_parts(engine) -> dict[tuple[str, str, str], int]:
     return {
         (p["execution_mode"], p["bucket_id"], p["fallback_reason"]): p["steps"]
@@ -141,12 +112,14 @@ def test_an_engine_replaying_prefill_graphs_decodes_what_one_without_them_does(t
         for i in range(len(prompts))
     ]
     config = dict(max_num_seqs=4) | ({"max_num_batched_tokens": chunk} if chunk else {})
-    expected = run_staggered(prefill_graph_engine(tiny, monkeypatch, capture_prefill=False, **config), prompts, params)
+    expected = run_staggered(
+        prefill_graph_engine(tiny, monkeypatch, capture_prefill=False, **config), prompts, params, 2
+    )
     engine = prefill_graph_engine(tiny, monkeypatch, **config)
     graphs = engine.runner.prefill_graphs
     assert graphs.table.ready == {b for b in BUCKETS if b <= (chunk or 64)}
     before = sum(graphs.replayed.values())  # start-up's verification and warm-up replay too
-    assert run_staggered(engine, prompts, params, denied={3}) == expected
+    assert run_staggered(engine, prompts, params, 2, denied=frozenset({3})) == expected
     parts = prefill_parts(engine)
     replayed = sum(n for (mode, _, _), n in parts.items() if mode == "piecewise")
     assert replayed > 0 and sum(graphs.replayed.values()) - before == replayed
@@ -168,8 +141,8 @@ def test_a_prefill_bucket_whose_replay_differs_from_its_eager_twin_is_withdrawn(
     prompts = random_prompts([25], tiny.model.cfg.vocab_size, seed=4)
     params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)]
     plain = prefill_graph_engine(tiny, monkeypatch, capture_prefill=False)
-    expected = run_staggered(plain, prompts, params)
-    assert run_staggered(engine, prompts, params) == expected  # bucket 32 runs eager, right
+    expected = run_staggered(plain, prompts, params, 2)
+    assert run_staggered(engine, prompts, params, 2) == expected  # bucket 32 runs eager, right
     assert ("eager", "none", "verify_mismatch") in prefill_parts(engine)
 
 
@@ -186,6 +159,6 @@ def test_the_policys_prefill_ladder():
 
 def test_a_cpu_engine_prefills_eager_and_says_why(tiny):
     engine = new_engine(tiny)
-    run_staggered(engine, [[1, 2, 3]], [SamplingParams(max_tokens=2, ignore_eos=True)])
+    run_staggered(engine, [[1, 2, 3]], [SamplingParams(max_tokens=2, ignore_eos=True)], 1)
     assert prefill_parts(engine) == {("eager", "none", "unavailable"): 1}
     assert all(not b["ready"] for b in engine.status().prefill_buckets.values())

@@ -30,6 +30,29 @@ class BucketRecord:
 Withdraw = Callable[[int, FallbackReason, str], None]
 
 
+class CapturedBuckets:
+    """What a ladder of buckets captured: the table that says which bucket replays (and why the
+    others do not), each bucket's record, replay and graphs; and the one way a bucket stops
+    replaying, which changes them together. Decode and prefill graphs are both one of these."""
+
+    def __init__(self, table: BucketTable) -> None:
+        self.table = table
+        self.records: dict[int, BucketRecord] = {}
+        self._replays: dict[int, Callable] = {}
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+
+    def _withdraw(self, bucket: int, reason: FallbackReason, detail: str) -> None:
+        self.table.mark_missing(bucket, reason, detail)
+        self.records.setdefault(bucket, BucketRecord(bucket)).error = detail
+        self._replays.pop(bucket, None)
+        for g in self._graphs.pop(bucket, []):
+            g.reset()
+
+    def captured_mb(self) -> float:
+        """Device memory the ready buckets' graphs took."""
+        return sum(self.records[b].memory_mb for b in self.table.ready)
+
+
 def captured_bytes(capture: Callable[[], None]) -> int:
     """Run a capture and return the device memory it took: the larger of what the driver and the
     allocator saw."""

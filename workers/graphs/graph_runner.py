@@ -32,7 +32,7 @@ from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode,
 from policies.graph_policy import GraphPolicy
 from workers.graphs.capture import (
     MB,
-    BucketRecord,
+    CapturedBuckets,
     agree_on_table,
     any_rank,
     bucket_report,
@@ -82,7 +82,7 @@ def allow_compiled_shapes(shapes: int) -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
-class GraphRunner:
+class GraphRunner(CapturedBuckets):
     """`prefill_buckets`: the token counts whose prefills are captured (none: prefill runs eager);
     a LoRA runner's prefills always run eager."""
 
@@ -102,14 +102,11 @@ class GraphRunner:
         self.backend = model.attention_backend
         self.device = model.embed.weight.device
         buckets = policy.buckets(cache.num_slots)  # a cache has one slot per sequence of a batch
-        self.table = initial_table(policy, buckets, self.device.type == "cuda", self.backend.graph_support)
+        super().__init__(initial_table(policy, buckets, self.device.type == "cuda", self.backend.graph_support))
         if self.table.global_reason == FallbackReason.BACKEND_UNSUPPORTED:
             log.warning("attention backend %s cannot run under CUDA graphs: decoding eager", self.backend.name)
         elif self.table.downgrade_reason == FallbackReason.BACKEND_UNSUPPORTED:
             log.warning("attention backend %s cannot be captured: mode full -> piecewise", self.backend.name)
-        self.records: dict[int, BucketRecord] = {}
-        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._pool = None  # the memory pool of the capture in progress (see `_capture_bucket`)
         self.compile_s = 0.0
         self.phase_s: dict[str, float] = {}  # start-up seconds by phase: compile (or warmup), capture, verify
@@ -326,14 +323,6 @@ class GraphRunner:
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture(budget - used)
 
-    def _withdraw(self, bucket: int, reason: FallbackReason, detail: str) -> None:
-        """The one way a bucket stops replaying: its table entry, record and graphs change together."""
-        self.table.mark_missing(bucket, reason, detail)
-        self.records.setdefault(bucket, BucketRecord(bucket)).error = detail
-        self._replays.pop(bucket, None)
-        for g in self._graphs.pop(bucket, []):
-            g.reset()
-
     def _capture_bucket(self, bucket: int) -> int:
         """Capture one bucket into the capture's shared pool (made by the first bucket) and return
         the device memory it took, in bytes. Everything capture needs of the CUDA runtime beyond
@@ -510,8 +499,8 @@ class GraphRunner:
             self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - t0
 
     def graph_memory_mb(self) -> float:
-        prefill = self.prefill_graphs.memory_mb() if self.prefill_graphs is not None else 0.0
-        return sum(self.records[b].memory_mb for b in self.table.ready) + prefill
+        prefill = self.prefill_graphs.captured_mb() if self.prefill_graphs is not None else 0.0
+        return self.captured_mb() + prefill
 
     def report(self) -> dict:
         """Per decode bucket, its capture facts for status pages."""

@@ -19,6 +19,7 @@ from policies.dispatch import BucketTable, Dispatch, ExecutionMode, FallbackReas
 from workers.graphs.capture import (
     MB,
     BucketRecord,
+    CapturedBuckets,
     agree_on_table,
     bucket_report,
     capture_ladder,
@@ -38,18 +39,15 @@ def prefill_bucket_id(bucket: int) -> str:
     return f"prefill_tokens_{bucket}"
 
 
-class PrefillGraphs:
+class PrefillGraphs(CapturedBuckets):
     def __init__(self, model: LlamaModel, cache: KVCache, buckets: tuple[int, ...]) -> None:
+        super().__init__(BucketTable(buckets, ExecutionMode.PIECEWISE))
         self.model = model
         self.cache = cache
         self.device = model.embed.weight.device
-        self.table = BucketTable(buckets, ExecutionMode.PIECEWISE)
         if self.device.type != "cuda":
             self.table.global_reason = FallbackReason.UNAVAILABLE
-        self.records: dict[int, BucketRecord] = {}
         self.pieces = PrefillPieces(model, cache, max(buckets)) if self.enabled else None
-        self._replays: dict[int, Callable[[int], None]] = {}
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._pool = None  # the memory pool of the capture in progress
 
     bucket_id = staticmethod(prefill_bucket_id)
@@ -120,13 +118,6 @@ class PrefillGraphs:
         self._replays[bucket] = lambda i: graphs[i].replay()
         return taken
 
-    def _withdraw(self, bucket: int, reason: FallbackReason, detail: str) -> None:
-        self.table.mark_missing(bucket, reason, detail)
-        self.records.setdefault(bucket, BucketRecord(bucket)).error = detail
-        self._replays.pop(bucket, None)
-        for g in self._graphs.pop(bucket, []):
-            g.reset()
-
     @torch.inference_mode()
     def verify(self) -> None:
         for bucket, detail in self.failed_buckets().items():
@@ -149,9 +140,6 @@ class PrefillGraphs:
     def agree(self) -> None:
         if self.enabled:
             agree_on_table(self.table, self.model.tp, self.device, self._withdraw)
-
-    def memory_mb(self) -> float:
-        return sum(self.records[b].memory_mb for b in self.table.ready)
 
     def report(self) -> dict:
         return bucket_report(self.table, self.records, self.bucket_id, compiled=False)

@@ -23,6 +23,7 @@ import torch
 
 from workers.kv.kv_cache import KVCache
 from workers.kv.prefill_attention import PrefillAttention
+from workers.model_runner.pinned_copy import PinnedCopy
 from workers.model_runner.step_inputs import PrefillInputs
 from workers.modeling.model import LlamaModel, last_tokens
 
@@ -34,8 +35,7 @@ class PrefillPieces:
         device, dtype = model.embed.weight.device, model.cfg.dtype
         attn = model.layers[0].attn
         self.inputs = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)  # tokens, positions, slots
-        self._host = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._copy = PinnedCopy(self.inputs)
         self.index = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # where each token's K/V go
 
         def buffer(*shape: int) -> torch.Tensor:
@@ -54,16 +54,7 @@ class PrefillPieces:
     def load(self, batch: PrefillInputs, bucket: int) -> None:
         """Copy the batch's tokens into the static inputs; tokens past them, up to `bucket`, pad to
         the scratch slot at position 0."""
-        n = len(batch.tokens)
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy has read the pinned buffer
-        host = self._host[:, :bucket]
-        host[:, :n] = torch.tensor(batch[:3])
-        host[:, n:] = 0
-        host[2, n:] = self.cache.scratch_slot
-        self.inputs[:, :bucket].copy_(host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._copy.fill(batch[:3], bucket, (0, 0, self.cache.scratch_slot))
 
     def piece(self, i: int, bucket: int) -> None:
         """Piece i on the first `bucket` tokens: 0 is the embedding and layer 0 up to attention; then

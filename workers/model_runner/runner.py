@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from workers.kv.kv_cache import KVCache
+from workers.model_runner.pinned_copy import PinnedCopy
 from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
 from workers.modeling.model import LlamaModel
 
@@ -29,22 +30,11 @@ class ModelRunner:
         self.device = model.embed.weight.device
         self.step_fn: DecodeStep = model.decode  # what `step` runs: the compiled step where graphs compile it
         self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copy = PinnedCopy(self.inputs)
 
     def load(self, batch: DecodeInputs, bucket: int) -> None:
-        """Copy the batch into the static inputs (one host-to-device copy from pinned memory); rows
-        past the batch pad to the scratch slot."""
-        n = batch.rows
-        if self._copied is not None:  # a step may load twice (replayed rows, then denied ones)
-            self._copied.synchronize()  # the last copy has read the pinned buffer
-        host = self._host[:, :bucket]
-        host[:, :n] = torch.tensor(batch[:4])
-        host[:, n:] = 0
-        host[2, n:] = self.cache.scratch_slot
-        self.inputs[:, :bucket].copy_(host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
+        self._copy.fill(batch[:4], bucket, (0, 0, self.cache.scratch_slot, 0))
 
     def views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """tokens, positions, slots and (LoRA runner only) adapter slots of a bucket's static inputs."""

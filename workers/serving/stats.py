@@ -182,39 +182,30 @@ class EngineStats:
             "fallback_rate": {r: n / rows for r, n in sorted(by_reason.items())},
             "padding_waste": sum(c[2] for _, c in graph) / replayed if replayed else 0.0,
             "steps_by_bucket": dict(sorted(by_bucket.items())),
-            "decode_step_parts": [
-                {
-                    "execution_mode": m,
-                    "bucket_id": b,
-                    "fallback_reason": r,
-                    "model_revision": self.model_revision,
-                    "attention_backend": self.attention_backend,
-                    "steps": c[0],
-                    "rows": c[1],
-                    "padding_rows": c[2],
-                }
-                for (m, b, r), c in sorted(self.step_parts.items())
-            ],
+            "decode_step_parts": self._parts(self.step_parts, ("steps", "rows", "padding_rows")),
         }
+
+    def _parts(self, parts: dict[tuple[str, str, str], list[int]], counts: tuple[str, ...]) -> list[dict]:
+        """Model calls by (execution_mode, bucket_id, fallback_reason), with the step labels and
+        `counts` named."""
+        return [
+            {
+                "execution_mode": m,
+                "bucket_id": b,
+                "fallback_reason": r,
+                "model_revision": self.model_revision,
+                "attention_backend": self.attention_backend,
+                **dict(zip(counts, c)),
+            }
+            for (m, b, r), c in sorted(parts.items())
+        ]
 
     def snapshot(self) -> dict:
         with self._lock:
             return {
                 **self.graph_summary(),
                 "prefill_steps": self.prefill_steps,
-                "prefill_step_parts": [
-                    {
-                        "execution_mode": m,
-                        "bucket_id": b,
-                        "fallback_reason": r,
-                        "model_revision": self.model_revision,
-                        "attention_backend": self.attention_backend,
-                        "steps": c[0],
-                        "tokens": c[1],
-                        "padding_tokens": c[2],
-                    }
-                    for (m, b, r), c in sorted(self.prefill_parts.items())
-                ],
+                "prefill_step_parts": self._parts(self.prefill_parts, ("steps", "tokens", "padding_tokens")),
                 "decode_steps": self.decode_steps,
                 "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens,
