@@ -427,6 +427,8 @@ def main() -> None:
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.throughput_optimized:  # before Ray is imported: every Ray process reads it when it starts
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
 
     from policies.graph_policy import GraphPolicy
     from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, tiny_hf_config, write_checkpoint
@@ -471,8 +473,6 @@ def main() -> None:
 
     os.environ.pop("GRAPHSERVE_API_KEYS", None)
     os.environ["GRAPHSERVE_ADMIN_TOKEN"] = ADMIN
-    if args.throughput_optimized:  # before ray.init: every Ray process reads it when it starts
-        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
     ray.init(num_cpus=os.cpu_count(), num_gpus=1 if gpu else 0, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     app_args = {
