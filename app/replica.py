@@ -95,18 +95,34 @@ def with_target(config: AppConfig, target: dict | None) -> AppConfig:
     return config.model_copy(update=update)
 
 
+def plain_backend(tokenizer):
+    """The Rust tokenizer behind a fast tokenizer with no truncation or padding set, whose `encode`
+    gives the ids `tokenizer(text)` does without ~50 us of Python around each call (a quarter of a
+    short prompt's tokenizing); None for any other."""
+    backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    return backend
+
+
 def tokenize(tokenizer, request: GenerateRequest) -> list[int]:
     """The prompt's token ids. What the tokenizer or the chat template refuses (text that is not valid
     Unicode, a template's raise_exception, ...) is the client's error: InvalidRequest, a 400."""
     chat = request.kind == "chat"
     if chat and not tokenizer.chat_template:
         raise InvalidRequest("this model has no chat template; use /v1/completions")
+    backend = plain_backend(tokenizer)
     try:
+        if chat and backend is not None:  # rendered, then encoded as apply_chat_template does: no special tokens added
+            text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+            return backend.encode(text, add_special_tokens=False).ids
         if chat:
             ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         prompt = request.prompt
-        return tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return backend.encode(prompt).ids if backend is not None else tokenizer(prompt)["input_ids"]
     except TemplateError as e:
         raise InvalidRequest(f"the model's chat template refused these messages: {e}") from e
     except (TypeError, ValueError) as e:
@@ -477,7 +493,10 @@ class LLMReplica:
     ) -> list[tuple[StreamEvent, AsyncIterator[StreamEvent]]]:
         """Every choice submitted and its first event awaited, side by side (their prefills share a
         step). If one fails, the others' streams are closed (ending them) and its error is raised.
-        A continuation (`resume`) has one choice."""
+        A continuation (`resume`) has one choice. One choice is awaited as it is (a task to gather
+        it would cost ~20 us of every request)."""
+        if len(choice_ids) == 1:
+            return [await self._first_event(prompt_ids, params[0], choice_ids[0], tenant, adapter, resume)]
         firsts = (
             self._first_event(prompt_ids, p, choice_id, tenant, adapter, resume)
             for p, choice_id in zip(params, choice_ids)

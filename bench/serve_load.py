@@ -5,9 +5,16 @@ names them: TTFT, TPOT, ITL and E2E latency (mean, median, p99, in ms), request 
 output token throughput. ITL is the gap between two streamed chunks (a chunk may carry several
 tokens: the replica coalesces a stream's tokens).
 
-With --profile-streams N, py-spy samples the ingress, the LLM replica, the engine child and Serve's
-proxy while the served level of N streams (short prompts) runs; their collapsed stacks and a summary
-of where each process spends its samples land beside the JSON.
+With --unary-levels, the knee of non-streamed `max_tokens: 1` requests: requests/s and latency at
+each number of concurrent clients, and the CPU each serving process spends per request.
+
+With --profile-streams N (or --profile-unary C), py-spy samples the ingress, the LLM replica, the
+engine child and Serve's proxy while the served level of N streams (short prompts) runs (or the
+unary level of C clients); their collapsed stacks and a summary of where each process spends its
+samples land beside the JSON.
+
+With --throughput-optimized, Ray runs with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` and the clients send
+to each ingress replica's own HTTP server (direct ingress), not to Serve's proxy.
 
     python bench/serve_load.py --config 1b --out bench/results/serve_load_h200.json
     python bench/serve_load.py --config tiny --device cpu --streams 64 --prompts short --out /tmp/smoke.json
@@ -23,6 +30,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -153,65 +161,118 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, delay: fl
 
 
 async def served_level(
-    base_url: str, model: str, prompt: str, offsets: list[float], max_tokens: int, on_start=lambda: None
+    base_urls: list[str], model: str, prompt: str, offsets: list[float], max_tokens: int, on_start=lambda: None
 ) -> dict:
-    """The same arrivals through the app, from one client whose connections are open (a warm-up
-    first); on_start() runs as the measured round starts."""
+    """The same arrivals through the app, from clients whose connections are open (a warm-up
+    first), one per base URL, streams spread round-robin; on_start() runs as the measured round starts."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
-    await asyncio.gather(*[one_stream(client, model, prompt, 4, 0.0) for _ in range(min(len(offsets), 64))])
+    clients = [
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) for url in base_urls
+    ]
+    pick = lambda i: clients[i % len(clients)]  # noqa: E731
+    warm = min(len(offsets), 64)
+    await asyncio.gather(*[one_stream(pick(i), model, prompt, 4, 0.0) for i in range(warm)])
     await asyncio.sleep(IDLE_BEFORE_ROUND_S)
     on_start()
     t0 = time.perf_counter()
-    rows = await asyncio.gather(*[one_stream(client, model, prompt, max_tokens, d) for d in offsets])
+    rows = await asyncio.gather(*[one_stream(pick(i), model, prompt, max_tokens, d) for i, d in enumerate(offsets)])
     result = summary(list(rows), time.perf_counter() - t0)
     result["chunks_per_request"] = statistics.median(r["chunks"] for r in rows)
-    await client.close()
+    for client in clients:
+        await client.close()
     return result
 
 
-async def unary_knee(base_url: str, model: str, levels: list[int], per_level: int) -> list[dict]:
-    """Non-streamed requests with max_tokens 1 from c concurrent workers: requests/s per level."""
-    import openai
+async def unary_level(base_urls: list[str], model: str, concurrency: int, seconds: float) -> dict:
+    """Non-streamed `max_tokens: 1` completions from `concurrency` workers for `seconds`: requests/s
+    and latency. The client is aiohttp on pooled connections, far cheaper per request than the
+    `openai` client, so the server's cost is what is measured. Requests go round-robin over
+    base_urls (several ingress replicas serving HTTP themselves)."""
+    import aiohttp
 
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
-    out = []
-    for c in levels:
-        done = 0
+    body = {"model": model, "prompt": PROMPTS["short"], "max_tokens": 1, "temperature": 0.0}
+    latencies, statuses = [], Counter()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        deadline = time.perf_counter() + seconds
 
-        async def worker() -> None:
-            nonlocal done
-            while done < per_level:
-                done += 1
-                await client.completions.create(model=model, prompt=PROMPTS["short"], max_tokens=1, temperature=0.0)
+        async def worker(i: int) -> None:
+            url = f"{base_urls[i % len(base_urls)]}/v1/completions"
+            while time.perf_counter() < deadline:
+                start = time.perf_counter()
+                async with session.post(url, json=body) as response:
+                    await response.read()
+                    statuses[response.status] += 1
+                latencies.append(time.perf_counter() - start)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(c)])
-        out.append({"concurrency": c, "requests_per_s": done / (time.perf_counter() - t0)})
-        print("unary", out[-1], flush=True)
-    await client.close()
-    return out
+        await asyncio.gather(*[worker(i) for i in range(concurrency)])
+        wall = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency,
+        "requests_per_s": len(latencies) / wall,
+        "latency_ms": percentiles([x * 1e3 for x in latencies]),
+        "statuses": dict(statuses),
+    }
 
 
-def serve_pids() -> dict[str, int]:
-    """The ingress, LLM replica, engine child and proxy processes of the running app."""
+async def unary_knee(base_urls: list[str], model: str, levels: list[int], seconds: float, on_level=None) -> dict:
+    """requests/s at each concurrency level (after a short warm-up at that level), and the CPU each
+    serving process spent per request (ms, its threads together); the knee is the lowest level within
+    5% of the best: more clients past it only queue."""
+    rows = []
+    for c in levels:
+        await unary_level(base_urls, model, c, min(2.0, seconds))
+        stop = on_level(c) if on_level else None
+        before = cpu_seconds()
+        row = await unary_level(base_urls, model, c, seconds)
+        after = cpu_seconds()
+        done = sum(row["statuses"].values())
+        row["cpu_ms_per_request"] = {role: (after[role] - before[role]) * 1e3 / done for role in after}
+        rows.append(row)
+        if stop:
+            stop()
+        print("unary", row, flush=True)
+    best = max(r["requests_per_s"] for r in rows)
+    knee = next(r for r in rows if r["requests_per_s"] >= 0.95 * best)
+    return {"levels": rows, "knee_concurrency": knee["concurrency"], "knee_requests_per_s": knee["requests_per_s"]}
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time (user + system) so far of every serving process, summed per role, and this client's."""
     import psutil
 
-    pids = {}
+    total = Counter()
+    for role, pids in serve_pids(every=True).items():
+        for pid in pids:
+            times = psutil.Process(pid).cpu_times()
+            total[role] += times.user + times.system
+    times = psutil.Process().cpu_times()
+    total["client"] = times.user + times.system
+    return dict(total)
+
+
+def serve_pids(every: bool = False) -> dict:
+    """The ingress, LLM replica, engine child and proxy processes of the running app: a pid per role
+    (the last found), or with every, all of each role's pids."""
+    import psutil
+
+    pids: dict[str, list[int]] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if "workers.front.engine_process" in cmd:
-            pids["engine"] = p.info["pid"]
+            pids.setdefault("engine", []).append(p.info["pid"])
         for role, title in PROCESS_TITLES.items():
             if cmd.startswith("ray::") and title in cmd.split(" ")[0]:
-                pids[role] = p.info["pid"]
-    return pids
+                pids.setdefault(role, []).append(p.info["pid"])
+    return pids if every else {role: found[-1] for role, found in pids.items()}
 
 
-def profile(out_dir: Path, seconds: float) -> list[subprocess.Popen]:
-    """py-spy record of each serving process for `seconds` (collapsed stacks, idle frames left out)."""
-    py_spy = shutil.which("py-spy")
+def profile(out_dir: Path, seconds: float, tag: str = "") -> list[subprocess.Popen]:
+    """py-spy record of each serving process for `seconds` (collapsed stacks, idle frames left out),
+    into profile_{tag}{role}.txt."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))  # a venv's
     if py_spy is None:
         print("py-spy not found: no profile", flush=True)
         return []
@@ -230,13 +291,44 @@ def profile(out_dir: Path, seconds: float) -> list[subprocess.Popen]:
                 "raw",
                 "--nonblocking",
                 "--output",
-                str(out_dir / f"profile_{role}.txt"),
+                str(out_dir / f"profile_{tag}{role}.txt"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         for role, pid in serve_pids().items()
     ]
+
+
+def stop_profile(spies: list[subprocess.Popen]) -> None:
+    for spy in spies:
+        spy.wait()
+
+
+def ingress_urls(direct: bool, host: str, replicas: int, timeout_s: float = 120.0) -> list[str]:
+    """Where clients send requests: Serve's proxy on port 8000, or with direct ingress each ingress
+    replica's own HTTP server (the controller's target groups list their ports once they run; they
+    listen on Serve's HTTP host, this one node's)."""
+    if not direct:
+        return [f"http://{host}:8000"]
+    import ray
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        groups = ray.get(controller.get_target_groups.remote())
+        urls = [
+            f"http://{host}:{t.port}"
+            for g in groups
+            if g.protocol == RequestProtocol.HTTP and g.ingress_deployment_name
+            for t in g.targets
+        ]
+        if len(urls) >= replicas:
+            return sorted(urls)
+        time.sleep(0.5)
+    raise TimeoutError(f"{replicas} ingress replicas did not all serve HTTP within {timeout_s:g} s")
 
 
 def profile_summary(out_dir: Path, top: int = 25) -> dict:
@@ -288,11 +380,33 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def unary_table(unary: dict) -> str:
+    if not unary:
+        return ""
+    lines = [
+        "",
+        "",
+        "Non-streamed `max_tokens: 1` requests (aiohttp client): knee at "
+        f"{unary['knee_concurrency']} concurrent, {unary['knee_requests_per_s']:,.0f} req/s",
+        "",
+        "| concurrent | req/s | latency p50 / p99 ms | CPU ms per request | statuses |",
+        "|---|---|---|---|---|",
+    ]
+    for r in unary["levels"]:
+        lat = r["latency_ms"]
+        cpu = ", ".join(f"{role} {ms:.2f}" for role, ms in sorted(r["cpu_ms_per_request"].items()))
+        lines.append(
+            f"| {r['concurrency']} | {r['requests_per_s']:,.0f} | {lat['median']:.1f} / {lat['p99']:.1f} | "
+            f"{cpu} | {r['statuses']} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="1b", choices=["1b", "8b", "tiny"])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--streams", nargs="+", type=int, default=[1, 32, 128, 256])
+    ap.add_argument("--streams", nargs="*", type=int, default=[1, 32, 128, 256], help="none: no streamed levels")
     ap.add_argument("--rates", nargs="*", type=float, default=[], help="Poisson arrival rates (req/s)")
     ap.add_argument("--rate-requests", type=int, default=256)
     ap.add_argument("--prompts", nargs="+", default=["short", "long"], choices=list(PROMPTS))
@@ -302,10 +416,19 @@ def main() -> None:
     ap.add_argument("--kv-cache-tokens", type=int, default=1 << 19)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--app-args", default="{}", help="JSON merged into the app's args (ingress replicas, ...)")
-    ap.add_argument("--unary-levels", nargs="*", type=int, default=[])
+    ap.add_argument("--unary-levels", nargs="*", type=int, default=[], help="concurrency levels of the unary knee")
+    ap.add_argument("--unary-seconds", type=float, default=10.0, help="measured time of each unary level")
     ap.add_argument("--profile-streams", type=int, default=None)
+    ap.add_argument("--profile-unary", type=int, default=None, help="py-spy the unary level of this concurrency")
+    ap.add_argument(
+        "--throughput-optimized",
+        action="store_true",
+        help="RAY_SERVE_THROUGHPUT_OPTIMIZED=1: clients talk to the ingress replicas' own HTTP servers, no proxy",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.throughput_optimized:  # before Ray is imported: every Ray process reads it when it starts
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
 
     from policies.graph_policy import GraphPolicy
     from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, tiny_hf_config, write_checkpoint
@@ -371,7 +494,9 @@ def main() -> None:
         except Exception:
             time.sleep(0.5)
     ready_s = time.perf_counter() - t0
-    print(f"app ready in {ready_s:.1f} s", flush=True)
+    ingress_replicas = app_args.get("ingress_autoscaling", {}).get("min_replicas", 1)
+    urls = ingress_urls(args.throughput_optimized, "127.0.0.1", ingress_replicas)
+    print(f"app ready in {ready_s:.1f} s; clients send to {urls}", flush=True)
 
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -384,7 +509,7 @@ def main() -> None:
         spies = []
         served = asyncio.run(
             served_level(
-                "http://127.0.0.1:8000",
+                urls,
                 model_dir.name,
                 PROMPTS[prompt],
                 arrivals(streams, rate),
@@ -393,8 +518,7 @@ def main() -> None:
             )
         )
         stop.set()
-        for spy in spies:
-            spy.wait()
+        stop_profile(spies)
         peak = {role: max(s[role] for s in samples) for role in samples[0]} if samples else {}
         mean = {role: statistics.fmean(s[role] for s in samples) for role in samples[0]} if samples else {}
         cpu[f"{prompt}-{streams}-{rate}"] = {"peak": peak, "mean": mean}
@@ -422,11 +546,17 @@ def main() -> None:
             row["request_rate"] = rate
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("engine", "served")}, flush=True)
-    unary = (
-        asyncio.run(unary_knee("http://127.0.0.1:8000", model_dir.name, args.unary_levels, 2000))
-        if (args.unary_levels)
-        else []
-    )
+
+    def profile_unary(concurrency: int):
+        """py-spy the measured round of one unary level; returns what waits for the profiles."""
+        if concurrency != args.profile_unary:
+            return None
+        spies = profile(out_dir, args.unary_seconds, "unary_")
+        return lambda: stop_profile(spies)
+
+    unary = {}
+    if args.unary_levels:
+        unary = asyncio.run(unary_knee(urls, model_dir.name, args.unary_levels, args.unary_seconds, profile_unary))
     serve.shutdown()
     ray.shutdown()
     meta = {
@@ -440,11 +570,12 @@ def main() -> None:
         "serve_run_to_ready_s": ready_s,
         "app_args": json.loads(args.app_args),
         "cpus": os.cpu_count(),
+        "throughput_optimized": args.throughput_optimized,
     }
     result = {"meta": meta, "rows": rows, "unary_max_tokens_1": unary}
-    if args.profile_streams:
+    if args.profile_streams or args.profile_unary:
         result["profile"] = profile_summary(out_dir)
-    write_report(args.out, result, table(rows))
+    write_report(args.out, result, table(rows) + unary_table(unary))
 
 
 if __name__ == "__main__":

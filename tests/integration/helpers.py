@@ -2,12 +2,17 @@
 to it. Each test module starts ONE Ray instance through `running_app` (in a module-scoped fixture),
 runs the graphserve application there with fractional CPUs, a tmp controller state file and a
 controller name of its own, and shuts Ray down afterwards. Secrets go into the environment before
-`ray.init`, so the Ray worker processes inherit them."""
+`ray.init`, so the Ray worker processes inherit them.
+
+Run under Ray Serve's throughput-optimized mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1` in pytest's
+environment), the tests talk to the ingress replica's own HTTP server, as a client of that mode
+does, not to Serve's proxy."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 import uuid
@@ -68,6 +73,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def direct_ingress_port(app_name: str, timeout: float = READY_TIMEOUT_S) -> int:
+    """The HTTP port of the app's ingress replica under direct ingress (from the Serve controller's
+    target groups, once the replica serves)."""
+    import ray
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+
+    def port() -> int | None:
+        for group in ray.get(controller.get_target_groups.remote(app_name)):
+            if group.protocol == RequestProtocol.HTTP and group.ingress_deployment_name and group.targets:
+                return group.targets[0].port
+        return None
+
+    return wait_for(port, timeout, interval=0.2, what=f"app {app_name}'s ingress replica serving HTTP")
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.25, what: str = "condition") -> Any:
@@ -239,6 +262,8 @@ def running_app(
                 # serve.run waits for every replica to finish __init__ (graph capture); the startup
                 # gate test needs the app reachable while its LLM replica is still starting.
                 serve._run(application, name=f"graphserve-{name}", _blocking=False)
+            if os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1":
+                port = direct_ingress_port(f"graphserve-{name}")
             model = app_args.get("served_model_name") or "tiny-llama-v1"
             server = Server(port=port, args=app_args, admin_token=admin_token, model=model)
             yield server

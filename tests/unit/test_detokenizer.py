@@ -338,3 +338,84 @@ def test_stop_string_work_per_token_is_bounded(tokenizer, text, short, long):
     at_cap = work(long, 1000)
     assert at_cap <= 1.5 * work(short, 1000)
     assert work(long, 2000) <= 2.2 * at_cap
+
+
+# -- reads of several tokens (add_tokens, what a replica's stream calls) ------------------------------
+
+
+def one_at_a_time(detok: IncrementalDetokenizer, read: list[int]) -> tuple[int, str, bool]:
+    """A read fed token by token, none counted past the one that completes a stop string."""
+    text = ""
+    for n, token in enumerate(read, 1):
+        piece, hit = detok.add([token])
+        text += piece
+        if hit:
+            return n, text, True
+    return len(read), text, False
+
+
+def random_case(tokenizer, seed: int) -> tuple[tuple[str, ...], list[list[int]]]:
+    """Stop strings and reads over an alphabet of 1-, 3- and 4-byte characters (a read often ends
+    inside one): some stop strings occur, some hit mid-read, some never."""
+    rng = random.Random(3000 + seed)
+    alphabet = "aab €中😀"
+    text = "".join(rng.choice(alphabet) for _ in range(100))
+    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(0, 3))})
+    return stops, random_chunks(rng, enc(tokenizer, text), most=12)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_read_counts_and_cuts_as_token_by_token(tokenizer, seed):
+    """Whatever the read holds, add_tokens hands out the text, the stop hit and the number of tokens
+    that count that feeding the same tokens one at a time does; and so does the flush. After a hit
+    nothing more counts."""
+    stops, reads = random_case(tokenizer, seed)
+    whole, single = IncrementalDetokenizer(tokenizer, stops), IncrementalDetokenizer(tokenizer, stops)
+    for read in reads:
+        got = whole.add_tokens(read)
+        assert got == one_at_a_time(single, read), (stops, read)
+        if got[2]:
+            assert whole.add_tokens(read) == (0, "", True)
+            break
+    assert whole.flush() == single.flush()
+
+
+def test_the_random_reads_cut_mid_read_and_end_inside_characters(tokenizer):
+    """The cases above hold what add_tokens must go token by token for: stop strings completed by a
+    token before the last of a read, and reads that end inside a character."""
+    cut_mid_read = split = 0
+    for seed in range(40):
+        stops, reads = random_case(tokenizer, seed)
+        detok, sent = IncrementalDetokenizer(tokenizer, stops), []
+        for read in reads:
+            sent += read
+            split += tokenizer.decode(sent).endswith("\ufffd")
+            kept, _, hit = detok.add_tokens(read)
+            if hit:
+                cut_mid_read += kept < len(read)
+                break
+    assert cut_mid_read >= 10 and split >= 40, (cut_mid_read, split)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_stream_read_in_batches_restores_anywhere(tokenizer, seed):
+    """Cut a stream read with add_tokens after any read and restore a new detokenizer from its state:
+    the rest hands out what the uninterrupted stream does (failover from a coalescing replica)."""
+    stops, reads = random_case(tokenizer, seed)
+
+    def rest(detok: IncrementalDetokenizer, reads: list[list[int]]) -> list[tuple[int, str, bool]]:
+        out = []
+        for read in reads:
+            out.append(detok.add_tokens(read))
+            if out[-1][2]:
+                return out
+        return [*out, (0, detok.flush(), False)]
+
+    whole = rest(IncrementalDetokenizer(tokenizer, stops), reads)
+    for cut in range(1, len(whole)):
+        original = IncrementalDetokenizer(tokenizer, stops)
+        for read in reads[:cut]:
+            original.add_tokens(read)
+        sent = [t for read in reads[:cut] for t in read]
+        restored = IncrementalDetokenizer.restore(tokenizer, stops, sent, original.state())
+        assert whole[:cut] + rest(restored, reads[cut:]) == whole, (seed, cut)

@@ -12,18 +12,20 @@ import subprocess
 import sys
 import textwrap
 import time
+from multiprocessing.connection import Pipe
 from pathlib import Path
 
 import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.front.async_engine import EngineDeadError
-from workers.front.engine_process import EngineProcess
+from workers.front.engine_process import EngineProcess, read_frame, send_frame
 from workers.modeling.config import CheckpointError
-from workers.protocol import Coalescing
+from workers.protocol import Coalescing, Failed, Ready, Reply, StepOutputs
+from workers.serving.engine import TokenEvent
 from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import InvalidSchema, canonical_schema
-from workers.serving.sampling import SamplingParams
+from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob
 
 pytestmark = pytest.mark.timeout(120)
 BOS = 256
@@ -237,7 +239,7 @@ def test_child_exits_when_its_parent_dies(tiny, tmp_path):
     """A parent killed without any cleanup (SIGKILL) leaves no engine behind holding the device."""
     script = textwrap.dedent(f"""
         from workers.serving.engine_config import EngineConfig
-        from workers.front.engine_process import EngineProcess
+        from workers.front.engine_process import EngineProcess, read_frame, send_frame
         engine = EngineProcess(EngineConfig(model={str(tiny.model_dir)!r}, max_model_len=64, device="cpu"), None)
         print(engine.process.pid, flush=True)
         import time; time.sleep(600)
@@ -254,3 +256,35 @@ def test_child_exits_when_its_parent_dies(tiny, tmp_path):
         assert exited(child)
     finally:
         parent.kill()
+
+
+def test_every_kind_of_message_crosses_the_pipe_as_it_was_sent():
+    """The child's frames (a step's events as msgpack rows, the rest pickled) read back equal to what
+    was sent: logprobs (an impossible token's -inf too), cached-token counts said and not, and the
+    error a request ended with, its type and the field it names kept."""
+    refused = InvalidRequest("too many tokens")
+    refused.param = "max_tokens"
+    step = StepOutputs(
+        [
+            TokenEvent("a", [5, 6], None, cached_tokens=None),
+            TokenEvent(
+                "b", [7], "length", logprobs=[TokenLogprob(-0.5, [(7, -0.5), (8, float("-inf"))])], cached_tokens=3
+            ),
+            TokenEvent("c", [], "error", refused),
+        ]
+    )
+    receiving, sending = Pipe(duplex=False)
+    for message in (step, Reply({"state": "READY"}), Reply(refused), Failed(EngineDeadError("gone")), Ready(None)):
+        send_frame(sending, message)
+        got = read_frame(receiving.recv_bytes())
+        assert type(got) is type(message)
+        if isinstance(message, StepOutputs):
+            assert [(e.request_id, e.token_ids, e.finish_reason, e.logprobs, e.cached_tokens) for e in got.events] == [
+                (e.request_id, e.token_ids, e.finish_reason, e.logprobs, e.cached_tokens) for e in message.events
+            ]
+            error = got.events[2].error
+            assert isinstance(error, InvalidRequest) and str(error) == "too many tokens" and error.param == "max_tokens"
+        elif isinstance(message, Reply) and isinstance(message.value, BaseException):
+            assert isinstance(got.value, InvalidRequest) and got.value.param == "max_tokens"
+        else:
+            assert repr(got) == repr(message)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from app.replica import tokenize
+from app.replica import plain_backend, tokenize
 from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
 from workers.modeling.default_model import CHAT_TEMPLATE, build_byte_tokenizer
 from workers.protocol import GenerateRequest
@@ -104,3 +104,27 @@ def test_other_failures_are_not_turned_into_400s():
         tokenize(BrokenTokenizer(), completion("hi"))
     with pytest.raises(MemoryError):
         tokenize(BrokenTokenizer(), chat(("user", "hi")))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["hi", "", "Hi é€中😀 ok", "a <|begin_of_text|> b <|eot_id|>", "  spaces  \n\ttabs"],
+    ids=["short", "empty", "multibyte", "special-token-text", "whitespace"],
+)
+def test_the_rust_backend_gives_the_tokenizers_own_ids(strict_tokenizer, text):
+    """Tokenized in the Rust backend directly, a completion's prompt and a chat's rendered template
+    get the ids the tokenizer's own call and apply_chat_template give."""
+    assert tokenize(strict_tokenizer, completion(text)) == strict_tokenizer(text)["input_ids"]
+    turns = [{"role": "user", "content": text}]
+    expected = strict_tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    assert tokenize(strict_tokenizer, chat(("user", text))) == list(expected["input_ids"])
+
+
+def test_a_backend_set_to_truncate_is_not_used_directly(tmp_path):
+    """A tokenizer whose backend truncates (tokenizer.json can say so) is called as the tokenizer, which
+    tokenizes the whole prompt."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.backend_tokenizer.enable_truncation(max_length=4)
+    assert plain_backend(tokenizer) is None
+    assert plain_backend(build_byte_tokenizer()) is not None
+    assert len(tokenize(tokenizer, completion("a longer prompt than four tokens"))) > 4

@@ -205,7 +205,8 @@ class StreamFront(ABC):
             while not finished:
                 item = self._merge(await stream.events.get(), stream.events)
                 cached = cached if item.cached_tokens is None else item.cached_tokens
-                token_ids, text, hit_stop = self._detokenize(detok, item.token_ids)
+                kept, text, hit_stop = detok.add_tokens(item.token_ids)
+                token_ids = item.token_ids[:kept]  # none drawn past a stop string is returned or counted
                 produced += len(token_ids)
                 reason = item.finish_reason
                 if hit_stop:
@@ -235,20 +236,6 @@ class StreamFront(ABC):
         finally:
             if not finished:
                 self.cancel(seq.request_id)
-
-    @staticmethod
-    def _detokenize(detok: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[int], str, bool]:
-        """(tokens, their text, stop string hit). With stop strings, a merged event is read token by
-        token: the tokens the engine drew past a stop string are neither returned nor counted."""
-        if not detok.stop or len(token_ids) <= 1:
-            return token_ids, *detok.add(token_ids)
-        text = ""
-        for n, token in enumerate(token_ids, 1):
-            piece, hit = detok.add([token])
-            text += piece
-            if hit:
-                return token_ids[:n], text, True
-        return token_ids, text, False
 
     @staticmethod
     def _merge(item: TokenEvent | BaseException, events: asyncio.Queue) -> TokenEvent:

@@ -7,7 +7,9 @@ own the step loop has a lock to itself. Commands go down one pipe; each step's e
 requests come back up another as one message. The child exits when the parent goes away (its end of
 the command pipe closes), so it never outlives its replica holding the GPU. It is a fresh
 interpreter (`python -m workers.front.engine_process`), not a fork: a forked child cannot use CUDA, and
-nothing of the parent's main module runs again in it.
+nothing of the parent's main module runs again in it. What the child sends is one frame per message,
+its first byte saying how the rest is encoded: a step's events as msgpack rows (`encode_step`),
+anything else pickled.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from workers.protocol import (
     StepOutputs,
     Stop,
     SwapInPlace,
+    decode_step,
+    encode_step,
 )
 from workers.serving.engine import EngineStatus, LLMEngine
 from workers.serving.engine_config import EngineConfig
@@ -50,6 +54,7 @@ from workers.serving.model_gate import run_gate, swap_weights_in_place
 log = logging.getLogger(__name__)
 
 EXIT_WAIT_S = 10.0
+STEP_FRAME, PICKLED_FRAME = b"S", b"P"  # the first byte of a frame from the child
 
 # What the child takes from the replica's environment: paths, locale, and the settings of the
 # accelerator and the libraries it runs. Anything else (API keys, admin tokens, cloud credentials)
@@ -196,7 +201,7 @@ class EngineProcess(StreamFront):
 
     def _receive_from_child(self) -> ChildMessage:
         try:
-            return self._events.recv()
+            return read_frame(self._events.recv_bytes())
         except EOFError:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(EXIT_WAIT_S)
@@ -243,6 +248,19 @@ class EngineProcess(StreamFront):
                 log.exception("the engine's exit handler failed")
 
 
+def send_frame(events: Connection, message: ChildMessage) -> None:
+    """One message from the child (`read_frame` reads it)."""
+    if isinstance(message, StepOutputs):
+        events.send_bytes(STEP_FRAME + encode_step(message))
+    else:
+        events.send_bytes(PICKLED_FRAME + pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+
+def read_frame(data: bytes) -> ChildMessage:
+    body = memoryview(data)[1:]
+    return decode_step(body) if data[:1] == STEP_FRAME else pickle.loads(body)
+
+
 def serve_engine(commands: Connection, events: Connection) -> None:
     """The child's main: read the config, build the engine (load, capture, verify), say READY with
     the request limits, then step until told to stop or the parent goes away."""
@@ -250,7 +268,7 @@ def serve_engine(commands: Connection, events: Connection) -> None:
     try:
         engine, tokenizer = LLMEngine.from_config(commands.recv())
     except BaseException as e:
-        events.send(Failed(_portable(e)))
+        send_frame(events, Failed(_portable(e)))
         return
     fault_injection.arm_from_environment(engine.runner._replays)
 
@@ -280,16 +298,16 @@ def serve_engine(commands: Connection, events: Connection) -> None:
             return Stop()
         if not isinstance(message, Question):
             return message
-        events.send(Reply(answer(message)))
+        send_frame(events, Reply(answer(message)))
         return None
 
-    events.send(Ready(engine.scheduler.limits))
+    send_frame(events, Ready(engine.scheduler.limits))
     try:
-        run_step_loop(engine, receive, lambda step_events: events.send(StepOutputs(step_events)))
+        run_step_loop(engine, receive, lambda step_events: send_frame(events, StepOutputs(step_events)))
     except BaseException as e:  # report, then end: the parent fails open streams and its health check
         log.exception("engine loop failed")
         with contextlib.suppress(OSError):
-            events.send(Failed(EngineDeadError(f"engine loop failed: {e!r}")))
+            send_frame(events, Failed(EngineDeadError(f"engine loop failed: {e!r}")))
 
 
 def _portable(error: BaseException) -> BaseException:

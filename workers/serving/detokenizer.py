@@ -10,11 +10,19 @@ text not yet handed out is the held-back tail plus the new characters, never the
 
 A stream continued on another replica (failover) goes on from `state()`: with the same token ids,
 `restore` gives a detokenizer that hands out exactly what the original would have handed out next.
+
+A stream is read a batch of tokens at a time (its coalesced read), and each read is decoded at once:
+two decode calls whatever the read holds, so a busy replica, whose reads hold more tokens, pays less
+per token. With stop strings, `add_tokens` keeps a read whole unless a stop string or a split
+character makes the token it ends at matter, and only then goes token by token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
+
+MAX_SPLIT_TOKENS = 3  # tokens past the last whole character: a UTF-8 character has at most 4 bytes
 
 
 class StopMatcher:
@@ -59,11 +67,22 @@ class DetokState(NamedTuple):
     pending: str
 
 
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """The tokenizer's decode of token ids, special tokens skipped. A fast tokenizer that cleans up no
+    spaces decodes in its Rust backend directly: the text `tokenizer.decode` gives, without the
+    ~6 us of Python it spends around each call (`bench/stop_strings.py`)."""
+    if getattr(tokenizer, "is_fast", False) and not tokenizer.clean_up_tokenization_spaces:
+        decode = tokenizer.backend_tokenizer.decode
+        return lambda ids: decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """One request's completion text, handed out as its tokens arrive."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self.stop = stop
         self.ids: list[int] = []
         self.stopped = False  # a stop string was hit: nothing more is ever handed out
@@ -98,8 +117,37 @@ class IncrementalDetokenizer:
         detok._prefix, detok._read, detok._pending = prefix, read, pending
         return detok
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def add_tokens(self, token_ids: list[int]) -> tuple[int, str, bool]:
+        """One read's new tokens: (how many of them count, their text, whether a stop string was
+        hit). Every token counts unless a stop string is hit: then only those up to the one that
+        completed it (the engine drew the rest past the stop), exactly as if the tokens had come
+        one at a time. The read is decoded whole first; only when that finds a stop string, or
+        hands out nothing (token by token, an earlier token might have), does it go again token by
+        token from where it started."""
+        if self.stopped:
+            return 0, "", True
+        if not self._matchers or len(token_ids) <= 1:
+            text, hit = self.add(token_ids)
+            return len(token_ids), text, hit
+        start = (len(self.ids), self._prefix, self._read, self._pending, [m.state for m in self._matchers])
+        text, hit = self.add(token_ids)
+        if not hit and self._read > start[2]:  # decoded to its last whole character, as token by token
+            return len(token_ids), text, False
+        self._rewind(*start)
+        text = ""
+        for n, token in enumerate(token_ids, 1):
+            piece, hit = self.add([token])
+            text += piece
+            if hit:
+                return n, text, True
+        return len(token_ids), text, False
+
+    def _rewind(self, ids: int, prefix: int, read: int, pending: str, states: list[int]) -> None:
+        """Back to where a read started (before its tokens were added)."""
+        del self.ids[ids:]
+        self._prefix, self._read, self._pending, self.stopped = prefix, read, pending, False
+        for m, state in zip(self._matchers, states):
+            m.state = state
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed new tokens; returns (text that is now final, whether a stop string was hit)."""
@@ -144,10 +192,18 @@ class IncrementalDetokenizer:
         return cut
 
     def _advance(self, final: bool) -> str:
-        """The newly decoded text (none while the last character is still incomplete, unless final)."""
+        """The newly decoded text up to the last token that ends a whole character (all of it when
+        final): tokens that end inside one (a character's bytes split across tokens) wait for the
+        rest of it. It looks back at most MAX_SPLIT_TOKENS tokens for that end, as far as a split
+        character reaches, so an invalid byte sequence costs no more than that."""
         prefix_text = self._decode(self.ids[self._prefix : self._read])
-        new_text = self._decode(self.ids[self._prefix :])
+        end = len(self.ids)
+        new_text = self._decode(self.ids[self._prefix : end])
+        if not final:
+            while new_text.endswith("\ufffd") and end > max(self._read, len(self.ids) - MAX_SPLIT_TOKENS):
+                end -= 1
+                new_text = self._decode(self.ids[self._prefix : end])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
-            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix, self._read = self._read, end
             return new_text[len(prefix_text) :]
         return ""
