@@ -33,6 +33,7 @@ from policies.graph_policy import GraphPolicy
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.front.async_engine import EngineDeadError, RequestFailed
+from workers.front.engine_process import EngineChild
 from workers.modeling.lora import LoraLimits
 from workers.protocol import (
     ChoiceChunk,
@@ -136,6 +137,8 @@ class LLMReplica:
     async def __init__(self, args: dict) -> None:
         started = time.monotonic()
         self.start_s: float | None = None  # from here to the engine's first READY, engine process start included
+        # where start_s went outside the engine's own phases, and when (epoch) this replica began
+        self.start_parts: dict[str, float] = {"started_at": time.time()}
         context = serve.get_replica_context()
         self.config = AppConfig.from_args(args).for_app(context.app_name)
         self.configured = self.config  # what the deployment was configured with, before any swap target
@@ -166,7 +169,18 @@ class LLMReplica:
         self._background = [asyncio.create_task(self._report())]  # STARTING until the engine is READY
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
-        self.engine = await self._start_engine(await self._serving_model())
+        asked = time.monotonic()
+        # the engine process imports torch and the engine while the controller is asked what to serve
+        child = EngineChild() if self.config.tensor_parallel_size == 1 else None
+        try:
+            target = await self._serving_model()
+        except BaseException:
+            if child is not None:
+                child.discard()
+            raise
+        spawned = time.monotonic()
+        self.engine = await self._start_engine(target, child)
+        self.start_parts |= {"controller_s": spawned - asked, "engine_start_s": time.monotonic() - spawned}
         self.tokenizer = self.engine.tokenizer
         self.engine_status = await self.engine.status()
         self.start_s = time.monotonic() - started
@@ -179,7 +193,7 @@ class LLMReplica:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
         if self.engine_status is not None:
             status.update(self.engine_status.as_dict(), engine_restarts=self.engine.restarts)
-            status["startup"] = {**status.get("startup", {}), "replica_s": self.start_s}
+            status["startup"] = {**status.get("startup", {}), "replica_s": self.start_s, **self.start_parts}
         if self.draining:
             status["state"] = EngineState.REBUILDING.value
         status["swap"] = self.swap_progress
@@ -212,14 +226,15 @@ class LLMReplica:
             }
             return None
 
-    async def _start_engine(self, target: dict | None) -> Engine:
+    async def _start_engine(self, target: dict | None, child: EngineChild | None = None) -> Engine:
         """The engine on a persisted swap target, behind the model gate; when the target cannot be
         loaded (missing, unreadable, failing the gate) the configured model instead, with the reason
-        in `model_fallback` (status, /admin/model, the audit log) and the log."""
+        in `model_fallback` (status, /admin/model, the audit log) and the log. `child`: an engine
+        process started ahead, for the first engine made here."""
         if target:
             config = with_target(self.config, target)
             try:
-                engine = await asyncio.to_thread(make_engine, config)
+                engine = await asyncio.to_thread(make_engine, config, child)
                 try:
                     await engine.start()
                     await engine.gate()
@@ -239,7 +254,8 @@ class LLMReplica:
                     self.config.model,
                 )
                 self.model_fallback = {"target": target, "reason": reason}
-        engine = await asyncio.to_thread(make_engine, self.config)
+            child = None  # the target's engine had it
+        engine = await asyncio.to_thread(make_engine, self.config, child)
         await engine.start()
         return engine
 
@@ -628,11 +644,14 @@ def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_mod
     return requested
 
 
-def make_engine(config: AppConfig) -> Engine:
-    """In-process for tensor_parallel_size 1; otherwise one shard actor per GPU."""
+def make_engine(config: AppConfig, child: EngineChild | None = None) -> Engine:
+    """A child process for tensor_parallel_size 1 (`child` if one was started ahead); otherwise one
+    shard actor per GPU."""
     if config.tensor_parallel_size == 1:
         budget = RestartBudget(config.engine_max_restarts, config.engine_restart_window_s)
-        return LocalEngine(engine_config(config), budget, config.engine_timeout_s, config.engine_start_timeout_s)
+        return LocalEngine(engine_config(config), budget, config.engine_timeout_s, config.engine_start_timeout_s, child)
+    if child is not None:
+        child.discard()
     gpu = config.accelerator == "gpu" or (config.accelerator == "auto" and torch.cuda.is_available())
     return ShardGroup(
         engine_config(config),

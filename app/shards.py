@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.front.async_engine import EngineDeadError
-from workers.front.engine_process import EngineProcess
+from workers.front.engine_process import EngineChild, EngineProcess
 from workers.front.shard_worker import ShardWorker
 from workers.modeling.checkpoint import load_tokenizer
 from workers.modeling.default_model import model_dir
@@ -62,21 +62,36 @@ class LocalEngine:
     place while the restart budget allows; requests wait for it in `wait_ready`. Once the budget is
     spent the engine is down for good and `check()` fails, so Serve replaces the replica."""
 
-    def __init__(self, config: EngineConfig, budget: RestartBudget, timeout_s: float, start_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        budget: RestartBudget,
+        timeout_s: float,
+        start_timeout_s: float,
+        child: EngineChild | None = None,
+    ) -> None:
+        """`child`: an engine process started ahead of this (its imports done meanwhile); the
+        tokenizer is read while the child loads the model."""
         self.config = config
         self.budget = budget
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        self.tokenizer = load_tokenizer(model_dir(config.model))
+        child = child or EngineChild()
+        try:
+            child.configure(config)
+            self.tokenizer = load_tokenizer(model_dir(config.model))
+        except BaseException:
+            child.discard()
+            raise
         self.restarts = 0
         self.failure: str | None = None  # why the engine is down for good
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restarting: asyncio.Task | None = None
         self.swapping = False  # a swap replaces the child on purpose: no restart meanwhile
-        self.runner = self._spawn()
+        self.runner = self._spawn(child)
 
-    def _spawn(self) -> EngineProcess:
-        return EngineProcess(self.config, self.tokenizer, self._exited, self.start_timeout_s)
+    def _spawn(self, child: EngineChild | None = None) -> EngineProcess:
+        return EngineProcess(self.config, self.tokenizer, self._exited, self.start_timeout_s, child)
 
     async def swap(self, config: EngineConfig) -> dict:
         """Serve `config` (a new checkpoint or graph policy) instead, gated (`workers/serving/model_gate.py`);

@@ -92,7 +92,7 @@ def start_once(config: str, model_dir: str, cache_dir: str, start: str) -> dict:
         args |= {"model": model_dir, "accelerator": "gpu"}
     ray.init(num_cpus=8 if gpu else 4, num_gpus=int(gpu), include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    t0 = time.perf_counter()
+    t0, t0_epoch = time.perf_counter(), time.time()
     serve.run(deployment(args), blocking=False)
     ready_s = seconds_to_ready(t0)
     (replica,) = admin_status()["replicas"].values()
@@ -107,7 +107,10 @@ def start_once(config: str, model_dir: str, cache_dir: str, start: str) -> dict:
         "compiled_buckets": sum(b["ready"] and b["compiled"] for b in buckets.values()),
         "compiled_graphs": startup["compiled_graphs"],
         "ready_s": ready_s,
+        "replica_init_s": startup["started_at"] - t0_epoch,  # Serve placing and starting the replica's actor
         "replica_s": startup["replica_s"],
+        "controller_s": startup["controller_s"],
+        "engine_start_s": startup["engine_start_s"],
         "engine_s": startup["total_s"],
         "phases": startup["phases"],
     }
@@ -222,17 +225,19 @@ def markdown(result: dict) -> str:
         "to /readyz 200; cold: an empty compile_cache_dir, warm: the same directory again (each start a new "
         "process). Command: `python bench/startup.py startup --configs 1b` (then 8b), `... tpot --configs 1b 8b`.",
         "",
-        "| config | start | buckets (compiled) | graphs | ready_s (target) | replica_s | engine_s | "
-        "load | allocate | compile | capture | verify | warmup | cache MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | start | buckets (compiled) | graphs | ready_s (target) | replica actor up | replica_s "
+        "| controller | engine process | engine_s | load | allocate | compile | capture | verify | warmup | cache MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")  # rows measured before the replica reported these parts
     for r in result.get("startup", []):
         p = r["phases"]
         target = TARGETS.get(r["config"], {}).get(r["start"])
         ready = f"{r['ready_s']:.1f}" + (f" (<= {target})" if target else "")
         lines.append(
             f"| {r['config']} | {r['start']} | {r['buckets']} ({r['compiled_buckets']}) | {r['compiled_graphs']} | "
-            f"{ready} | {r['replica_s']:.1f} | {r['engine_s']:.1f} | "
+            f"{ready} | {r.get('replica_init_s', nan):.1f} | {r['replica_s']:.1f} | {r.get('controller_s', nan):.1f} | "
+            f"{r.get('engine_start_s', nan):.1f} | {r['engine_s']:.1f} | "
             + " | ".join(f"{p[k]:.1f}" for k in ("load", "allocate", "compile", "capture", "verify", "warmup"))
             + f" | {r['cache_mb']:.0f} |"
         )

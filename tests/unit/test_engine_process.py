@@ -19,7 +19,7 @@ import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.front.async_engine import EngineDeadError
-from workers.front.engine_process import EngineProcess, read_frame, send_frame
+from workers.front.engine_process import EngineChild, EngineProcess, read_frame, send_frame
 from workers.modeling.config import CheckpointError
 from workers.protocol import Coalescing, Failed, Ready, Reply, StepOutputs
 from workers.serving.engine import TokenEvent
@@ -47,8 +47,9 @@ def config(tiny: Tiny, **overrides) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def shared(tiny):
-    """One child for the tests that leave it healthy (starting one costs a few seconds on CPU)."""
-    engine = EngineProcess(config(tiny, max_num_seqs=4), tiny.tokenizer)
+    """One child for the tests that leave it healthy (starting one costs a few seconds on CPU),
+    started before it is told its config, as a replica starts it."""
+    engine = EngineProcess(config(tiny, max_num_seqs=4), tiny.tokenizer, child=EngineChild())
     yield engine
     engine.shutdown()
 
@@ -239,7 +240,7 @@ def test_child_exits_when_its_parent_dies(tiny, tmp_path):
     """A parent killed without any cleanup (SIGKILL) leaves no engine behind holding the device."""
     script = textwrap.dedent(f"""
         from workers.serving.engine_config import EngineConfig
-        from workers.front.engine_process import EngineProcess, read_frame, send_frame
+        from workers.front.engine_process import EngineChild, EngineProcess, read_frame, send_frame
         engine = EngineProcess(EngineConfig(model={str(tiny.model_dir)!r}, max_model_len=64, device="cpu"), None)
         print(engine.process.pid, flush=True)
         import time; time.sleep(600)
@@ -254,6 +255,39 @@ def test_child_exits_when_its_parent_dies(tiny, tmp_path):
         while not exited(child) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert exited(child)
+    finally:
+        parent.kill()
+
+
+@pytest.mark.parametrize("how", ["discarded", "parent_killed"])
+def test_a_child_started_ahead_and_never_told_ends(tiny, how):
+    """A child started ahead that gets no config ends, whether discarded or orphaned by a killed
+    parent, and an orphan ends without a traceback (it was simply not needed)."""
+    if how == "discarded":
+        child = EngineChild()
+        assert not exited(child.process.pid)
+        child.discard()
+        assert exited(child.process.pid)
+        return
+    script = textwrap.dedent("""
+        import sys
+        from workers.front.engine_process import EngineChild
+        child = EngineChild()
+        print(child.process.pid, flush=True)
+        import time; time.sleep(600)
+    """)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while not exited(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert exited(child)
+        assert "Traceback" not in parent.stderr.read()
     finally:
         parent.kill()
 

@@ -113,17 +113,13 @@ def child_environment(parent: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class EngineProcess(StreamFront):
-    def __init__(
-        self,
-        config: EngineConfig,
-        tokenizer,
-        on_exit: Callable[[BaseException], None] | None = None,
-        start_timeout_s: float | None = None,
-    ) -> None:
-        """Start the child and return once its engine is READY (loaded, captured, verified), or
-        raise what stopped it (a child not READY within start_timeout_s is killed). on_exit is
-        called from the reader thread with the cause when the child stops without being told to."""
+class EngineChild:
+    """An engine process started before it is told what to load. Its interpreter start and imports
+    (torch, the engine: seconds) then overlap what the replica does meanwhile (asking the controller
+    for the model to serve, reading the tokenizer). One not told within its life is ended by
+    `discard`, or exits by itself when this process goes away (EOF on its command pipe)."""
+
+    def __init__(self) -> None:
         child_commands, commands = os.pipe()
         events, child_events = os.pipe()
         self.process = subprocess.Popen(
@@ -133,9 +129,42 @@ class EngineProcess(StreamFront):
         )
         os.close(child_commands)  # the child's ends live in the child now: EOF means the other side is gone
         os.close(child_events)
-        self._commands = Connection(commands, readable=False)
-        self._events = Connection(events, writable=False)
-        self._commands.send(config)
+        self.commands = Connection(commands, readable=False)
+        self.events = Connection(events, writable=False)
+        self.config: EngineConfig | None = None
+
+    def configure(self, config: EngineConfig) -> None:
+        """Tell the child what to load; it builds its engine from now on."""
+        self.config = config
+        self.commands.send(config)
+
+    def discard(self) -> None:
+        """End a child that will not be used."""
+        self.process.kill()
+        self.process.wait()
+        self.commands.close()
+        self.events.close()
+
+
+class EngineProcess(StreamFront):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer,
+        on_exit: Callable[[BaseException], None] | None = None,
+        start_timeout_s: float | None = None,
+        child: EngineChild | None = None,
+    ) -> None:
+        """Return once the child's engine is READY (loaded, captured, verified), or raise what
+        stopped it (a child not READY within start_timeout_s is killed). `child`: one started
+        earlier, told this config or not yet; None starts one now. on_exit is called from the
+        reader thread with the cause when the child stops without being told to."""
+        child = child or EngineChild()
+        if child.config is None:
+            child.configure(config)
+        elif child.config != config:
+            raise ValueError("the engine child was told another config")
+        self.process, self._commands, self._events = child.process, child.commands, child.events
         if not self._events.poll(start_timeout_s):
             self.process.kill()
             self.process.wait()
@@ -266,7 +295,11 @@ def serve_engine(commands: Connection, events: Connection) -> None:
     the request limits, then step until told to stop or the parent goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then stops us
     try:
-        engine, tokenizer = LLMEngine.from_config(commands.recv())
+        config = commands.recv()
+    except EOFError:  # started ahead (`EngineChild`) and never told what to load
+        return
+    try:
+        engine, tokenizer = LLMEngine.from_config(config)
     except BaseException as e:
         send_frame(events, Failed(_portable(e)))
         return
