@@ -161,6 +161,16 @@ class AppConfig(BaseModel):
         "decoding (chunked prefill): smaller bounds the inter-token latency a long prompt adds to running streams, "
         "larger lets a burst of prompts in sooner",
     )
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="pacing of a long prompt's prefill: a prompt with more than this many tokens left to prefill "
+        "(tokens found in the prefix cache do not count) gets at most this many a step, and the rest of "
+        "`max_num_batched_tokens` goes to the prompts behind it. Smaller bounds the inter-token latency a long "
+        "prompt adds to running streams, but that prompt's own TTFT grows (its prefill takes more steps, each "
+        "paying the decodes too); a step still carries several such chunks when several long prompts are in. "
+        "0: off, a prompt takes what the budget leaves",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description=(

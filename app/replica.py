@@ -77,6 +77,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         compile_cache_dir=config.compile_cache_dir,
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         graph_policy=config.graph_policy(),
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank, tuple(config.lora.target_modules))
         if config.lora

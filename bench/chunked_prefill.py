@@ -1,18 +1,21 @@
 """Chunked prefill: what long prompts cost the streams already running, and their own TTFT, per
-step budget (`max_num_batched_tokens`).
+step budget (`max_num_batched_tokens`) and pacing threshold (`long_prefill_token_threshold`).
 
 A closed loop keeps `--streams` requests running on one engine (in-process, random weights of a
 real shape, full CUDA graphs): each that finishes is replaced at once, and with `--long-every 4`
 one new request in four brings a `--long-tokens` prompt (the others `--short-tokens`). Every
 running short stream's inter-token latency (ITL: the time between the engine steps that gave it
 consecutive tokens) is collected over `--steps` steps after a warm-up; long prompts' TTFT is from
-their arrival to the step that gave their first token. Each budget also runs without long prompts
-(`itl_ms_p99_no_long`). The largest budget (default 8192) holds a whole long prompt next to the
+their arrival to the step that gave their first token. Every budget runs with every threshold of
+`--long-prefill-thresholds` (0: unpaced), a row each, and also without long prompts
+(`itl_ms_p99_no_long`; a threshold no short prompt reaches cuts nothing there, so that run is the
+unpaced one). The first budget (default 8192) unpaced holds a whole long prompt next to the
 decodes: prefill as it was before chunking (`ttft_ms_long_p50_before`).
 
     python -m bench.chunked_prefill --config 1b --out bench/results/chunked_prefill_h200.json
     python -m bench.chunked_prefill --config tiny --device cpu --streams 8 --long-tokens 300 \\
-        --short-tokens 20 --budgets 512 64 --steps 40 --out /tmp/chunked_prefill_cpu.json
+        --short-tokens 20 --budgets 512 64 --long-prefill-thresholds 0 128 --steps 40 \\
+        --out /tmp/chunked_prefill_cpu.json
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ def p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def closed_loop(model: LlamaModel, budget: int, args: argparse.Namespace, long_every: int | None) -> dict:
+def closed_loop(
+    model: LlamaModel, budget: int, threshold: int, args: argparse.Namespace, long_every: int | None
+) -> dict:
     config = EngineConfig(
         max_num_seqs=args.streams + 8,
         max_model_len=model.max_model_len,
         max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold,
         kv_cache_tokens=args.kv_cache_tokens,  # one engine at a time, and no preemption for pages
         graph_policy=GraphPolicy(compile=False, decode_batch_buckets=tuple(args.buckets)),
         enable_prefix_caching=False,
@@ -92,6 +98,48 @@ def closed_loop(model: LlamaModel, budget: int, args: argparse.Namespace, long_e
     return result
 
 
+def mean_request(args: argparse.Namespace) -> tuple[float, float]:
+    """A new request's mean prompt and output tokens. A stream starts a new request when its last
+    one ends, so requests arrive at streams / mean output a step (fewer while prompts wait for
+    their prefill) and bring streams x mean prompt / mean output prompt tokens a step: a budget
+    must hold these and one token per running stream, or prompts queue and their TTFT grows
+    without bound, whatever the pacing."""
+    mean_prompt = ((args.long_every - 1) * args.short_tokens + args.long_tokens) / args.long_every
+    mean_output = ((args.long_every - 1) * args.short_output + args.long_output) / args.long_every
+    return mean_prompt, mean_output
+
+
+def measure(model: LlamaModel, args: argparse.Namespace) -> list[dict]:
+    """A row per (budget, threshold): the mixed workload's ITL and long TTFT, beside the ITL of
+    the same budget without long prompts."""
+    rows, plain_runs = [], {}
+    for budget in args.budgets:
+        for threshold in args.long_prefill_thresholds:
+            mixed = closed_loop(model, budget, threshold, args, args.long_every)
+            free_device_memory(args.device)  # each engine's pool is gone before the next one's is allocated
+            plain_threshold = threshold if threshold < args.short_tokens else 0  # cutting no prompt: unpaced
+            if (budget, plain_threshold) not in plain_runs:
+                plain_runs[budget, plain_threshold] = closed_loop(model, budget, plain_threshold, args, None)
+                free_device_memory(args.device)
+            plain = plain_runs[budget, plain_threshold]
+            rows.append(
+                {
+                    "config": args.config,
+                    "budget": budget,
+                    "long_prefill_token_threshold": threshold,
+                    **mixed,
+                    "itl_ms_p99_no_long": plain["itl_ms_p99"],
+                    "tpot_ms_no_long": plain["itl_ms_p50"],
+                }
+            )
+    before = next(r for r in rows if r["budget"] == args.budgets[0] and r["long_prefill_token_threshold"] == 0)
+    for row in rows:
+        row["ttft_ms_long_p50_before"] = before["ttft_ms_long_p50"]
+        row["itl_x_tpot"] = row["itl_ms_p99"] / row["tpot_ms_no_long"]
+        row["ttft_x_before"] = row["ttft_ms_long_p50"] / before["ttft_ms_long_p50"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="1b", choices=["tiny", "1b", "8b"])
@@ -105,50 +153,47 @@ def main() -> None:
     ap.add_argument("--long-output", type=int, default=256)
     ap.add_argument("--long-every", type=int, default=4)
     ap.add_argument("--budgets", nargs="+", type=int, default=[8192, 4096, 2048, 1024])
+    ap.add_argument("--long-prefill-thresholds", nargs="+", type=int, default=[0])
     ap.add_argument("--kv-cache-tokens", type=int, default=1 << 19)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if 0 not in args.long_prefill_thresholds:
+        ap.error("--long-prefill-thresholds must include 0: the first budget unpaced is the `before` of every row")
     torch.manual_seed(0)
     model = bench_model(args.config, args.max_model_len, args.device)
-    rows = []
-    for budget in args.budgets:
-        mixed = closed_loop(model, budget, args, args.long_every)
-        free_device_memory(args.device)  # each engine's pool is gone before the next one's is allocated
-        plain = closed_loop(model, budget, args, None)
-        free_device_memory(args.device)
-        rows.append(
-            {
-                "config": args.config,
-                "budget": budget,
-                **mixed,
-                "itl_ms_p99_no_long": plain["itl_ms_p99"],
-                "tpot_ms_no_long": plain["itl_ms_p50"],
-            }
-        )
-    before = rows[0]["ttft_ms_long_p50"]
-    for row in rows:
-        row["ttft_ms_long_p50_before"] = before
-        row["itl_x_tpot"] = row["itl_ms_p99"] / row["tpot_ms_no_long"]
-        row["ttft_x_before"] = row["ttft_ms_long_p50"] / before
+    rows = measure(model, args)
+    mean_prompt, mean_output = mean_request(args)
+    per_step = args.streams * mean_prompt / mean_output
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    meta = {"device": device, "torch": torch.__version__, **{k: v for k, v in vars(args).items() if k != "out"}}
+    meta = {
+        "device": device,
+        "torch": torch.__version__,
+        **{k: v for k, v in vars(args).items() if k != "out"},
+        "prompt_tokens_per_step": per_step,
+    }
     lines = [
-        "| config | budget | ITL p99 ms | ITL p99 no long ms | TPOT no long ms | ITL p99 / TPOT (target <= 1.5) "
-        "| long TTFT p50 ms | / before (target <= 1.2) | long prompts | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| config | budget | threshold | ITL p99 ms | ITL p99 no long ms | TPOT no long ms "
+        "| ITL p99 / TPOT (target <= 1.5) | long TTFT p50 ms | / before (target <= 1.2) | long prompts | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['config']} | {r['budget']} | {r['itl_ms_p99']:.2f} | {r['itl_ms_p99_no_long']:.2f} "
+            f"| {r['config']} | {r['budget']} | {r['long_prefill_token_threshold']} | {r['itl_ms_p99']:.2f} "
+            f"| {r['itl_ms_p99_no_long']:.2f} "
             f"| {r['tpot_ms_no_long']:.2f} | {r['itl_x_tpot']:.2f} | {r['ttft_ms_long_p50']:.1f} "
             f"| {r['ttft_x_before']:.2f} | {r['long_prompts']} | {r['preemptions']} |"
         )
     note = (
         f"{args.streams} streams kept running ({args.short_tokens}-token prompts, {args.short_output} tokens); one new "
         f"request in {args.long_every} brings a {args.long_tokens}-token prompt. Budget {args.budgets[0]} holds a "
-        "whole long prompt beside the decodes (as before chunked prefill).\n\n"
+        "whole long prompt beside the decodes (as before chunked prefill); threshold: `long_prefill_token_threshold` "
+        "(0: unpaced).\n\n"
+        f"The workload brings {per_step:.0f} prompt tokens a step on average ({args.streams} streams x "
+        f"{mean_prompt:.0f}-token mean prompt / {mean_output:.0f}-token mean output): a budget under "
+        f"{per_step + args.streams:.0f} (those and one token per running stream) cannot keep up, and long prompts "
+        "queue.\n\n"
     )
     write_report(args.out, {"meta": meta, "rows": rows}, "\n".join(lines), note)
 

@@ -197,3 +197,13 @@ def test_lora_config_reaches_the_engine_and_bad_lora_settings_are_named():
         AppConfig.from_args({"lora": {"target_modules": ["embed_tokens"]}})
     with pytest.raises(ValidationError, match="max_lora_rank"):
         AppConfig.from_args({"lora": {"max_lora_rank": 0}})
+
+
+def test_long_prefill_token_threshold_reaches_the_engine():
+    from app.replica import engine_config
+
+    assert engine_config(AppConfig.from_args({})).long_prefill_token_threshold == 0  # off by default
+    config = AppConfig.from_args({"long_prefill_token_threshold": 1024})
+    assert engine_config(config).long_prefill_token_threshold == 1024
+    with pytest.raises(ValidationError, match="long_prefill_token_threshold"):
+        AppConfig.from_args({"long_prefill_token_threshold": -1})

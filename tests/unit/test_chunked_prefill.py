@@ -3,7 +3,8 @@
 the running requests decode every step, and every request decodes exactly the tokens it decodes
 unchunked: greedy and seeded, chunk boundaries inside pages and across them, with prefix caching on
 and off, under page pressure (a sequence preempted between its chunks), with LoRA adapters, and on
-two tensor-parallel ranks (the follower gets the same chunks)."""
+two tensor-parallel ranks (the follower gets the same chunks). Paced by `long_prefill_token_threshold`
+too: no chunk is longer than it, and the tokens are the same."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> 
     return [s.output_ids for s in seqs], steps
 
 
+def run_watching_chunks(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]):
+    """Every request added at once and stepped to completion: each one's tokens, and the length of
+    every prefill chunk of every step."""
+    seqs = [engine.add_request(p, params) for p, params in requests]
+    lens = []
+    while engine.has_work():
+        engine.step()
+        lens += [s.prefill_end - s.prefill_start for s in engine.scheduler.chunks]
+        assert len(lens) < 2000
+    return [s.output_ids for s in seqs], lens
+
+
 @pytest.mark.parametrize("budget", [5, 7, 13])
 @pytest.mark.parametrize("caching", [True, False], ids=["cached", "uncached"])
 def test_chunked_prefill_decodes_what_one_prefill_per_prompt_decodes(tiny, budget, caching):
@@ -59,6 +72,29 @@ def test_chunked_prefill_decodes_what_one_prefill_per_prompt_decodes(tiny, budge
     got, steps = run(chunked, requests)
     assert got == expected
     assert chunked.stats.prefill_steps > whole.stats.prefill_steps
+
+
+@pytest.mark.parametrize(("budget", "threshold"), [(1000, 5), (13, 7), (9, 3)])
+@pytest.mark.parametrize("caching", [True, False], ids=["cached", "uncached"])
+def test_paced_prefill_decodes_what_one_prefill_per_prompt_decodes(tiny, budget, threshold, caching):
+    """Thresholds of 3, 5 and 7 tokens (pages of 4) cut the prompts inside pages and across them,
+    with a budget that would hold every prompt at once and with budgets that cut them too; the
+    prompt that shares 30 tokens with the first has only its own left to pace."""
+    requests = [(p, GREEDY if i % 2 else SEEDED) for i, p in enumerate(PROMPTS)]
+    requests.append((PROMPTS[0][:30] + [7, 7, 7], GREEDY))
+    whole = new_engine(tiny, max_num_seqs=8, kv_page_size=PAGE, enable_prefix_caching=caching)
+    paced = new_engine(
+        tiny,
+        max_num_seqs=8,
+        kv_page_size=PAGE,
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold,
+    )
+    expected, _ = run(whole, requests)
+    got, chunk_lens = run_watching_chunks(paced, requests)
+    assert got == expected
+    assert max(chunk_lens) == threshold and min(chunk_lens) < threshold  # paced, and some prompts end short of it
 
 
 def test_running_requests_decode_every_step_while_a_long_prompt_goes_in(tiny):
@@ -110,7 +146,7 @@ def test_chunked_prefill_with_lora_adapters(tiny, tmp_path):
     assert with_adapter(6) == with_adapter(1000)
 
 
-def config(model_dir: str, budget: int) -> EngineConfig:
+def config(model_dir: str, budget: int, threshold: int = 0) -> EngineConfig:
     return EngineConfig(
         model=model_dir,
         max_num_seqs=4,
@@ -118,11 +154,13 @@ def config(model_dir: str, budget: int) -> EngineConfig:
         device="cpu",
         kv_page_size=PAGE,
         max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold,
     )
 
 
-def _serve(rank: int, port: int, model_dir: str) -> dict:
-    engine = rank_engine(rank, port, config(model_dir, budget=7))
+def _serve(rank: int, port: int, arg: tuple[str, int]) -> dict:
+    model_dir, threshold = arg
+    engine = rank_engine(rank, port, config(model_dir, budget=7, threshold=threshold))
     if engine is None:
         return {}
     outputs, _ = run(engine, [(p, GREEDY) for p in PROMPTS[:4]])
@@ -130,11 +168,12 @@ def _serve(rank: int, port: int, model_dir: str) -> dict:
     return {"outputs": outputs}
 
 
-def test_two_ranks_prefill_the_same_chunks(tmp_path, monkeypatch):
-    """Rank 0 ships each chunk as a prefill of its own: two ranks chunking decode what one process
-    decodes without chunks."""
+@pytest.mark.parametrize("threshold", [0, 3], ids=["unpaced", "paced"])
+def test_two_ranks_prefill_the_same_chunks(tmp_path, monkeypatch, threshold):
+    """Rank 0 ships each chunk as a prefill of its own (the followers plan nothing, paced or not):
+    two ranks chunking decode what one process decodes without chunks."""
     monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path))
     model_dir = str(default_model_dir())
-    results = start_two_ranks(model_dir, work=_serve)
+    results = start_two_ranks((model_dir, threshold), work=_serve)
     engine, _ = LLMEngine.from_config(config(model_dir, budget=1000))
     assert results[0]["outputs"] == run(engine, [(p, GREEDY) for p in PROMPTS[:4]])[0]

@@ -201,6 +201,7 @@ class LLMEngine:
             vocab_size=model.cfg.vocab_size,
             blocks=BlockManager(self.cache.num_pages, self.cache.page_size, reserved=1),
             prefix_caching=config.enable_prefix_caching,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
         self.sampler = BatchSampler(self.cache.num_slots, model.cfg.vocab_size, self.device)

@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int = 2048  # capped at the model's max_position_embeddings
     max_waiting: int = 1024
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0  # most prompt tokens a sequence prefills a step; 0: off (`prefill_pacing.py`)
     device: str = "auto"  # auto = cuda when present
     dtype: str | None = None  # None = the checkpoint's
     attention_backend: str = "auto"  # auto = triton on CUDA, sdpa elsewhere (`attention.py`)

@@ -14,7 +14,9 @@ all, so a long prompt cannot stall the running streams for its whole prefill. Wh
 one token per decoding sequence goes to prompts, first to those already partly prefilled, then to
 new admissions; a prompt longer than what is left is prefilled in chunks over several steps (its
 positions before the chunk are in its pages, as a cached prefix is), and decodes only once its
-last chunk is in.
+last chunk is in. With `long_prefill_token_threshold` > 0 a prompt with more than that left gets at
+most that many tokens a step (`policies/prefill_pacing.py`), so its prefill is spread over steps and
+the rest of the budget goes to the prompts behind it.
 
 With prefix caching, each sequence's full pages are named by a hash chain of its tokens salted with
 its adapter (`policies/prefix_hash.py`): an admitted sequence reuses the cached pages of its prefix
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from policies.dispatch import FallbackReason
 from policies.kv_blocks import BlockManager
+from policies.prefill_pacing import chunk_tokens
 from policies.prefix_hash import page_hashes
 from workers.serving.sampling import InvalidRequest, SamplingParams
 
@@ -147,9 +150,11 @@ class Scheduler:
         vocab_size: int | None = None,
         blocks: BlockManager | None = None,
         prefix_caching: bool = False,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """Without `blocks`, a pool of 16-token pages that holds every slot at max_model_len.
-        `prefix_caching`: reuse cached full pages of a prompt's prefix."""
+        `prefix_caching`: reuse cached full pages of a prompt's prefix. `long_prefill_token_threshold`:
+        the most prompt tokens one sequence prefills in a step; 0: as many as the budget leaves."""
         self.blocks = blocks or BlockManager(1 + max_num_seqs * -(-max_model_len // 16), 16)
         if self.blocks.capacity_tokens < max_model_len:
             raise ValueError(
@@ -163,6 +168,9 @@ class Scheduler:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.max_num_batched_tokens = max_num_batched_tokens
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefix_caching = prefix_caching
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest first
         self.waiting: deque[Sequence] = deque()
@@ -187,12 +195,14 @@ class Scheduler:
         the token budget: the chunks of sequences partly prefilled go on first, then waiting
         sequences move into free slots, first come first served, while the pool has pages for them
         and for what the running batch needs this step (a sequence's tokens so far plus the one its
-        first decode writes). Tokens and pages found in the prefix cache count for neither. At
-        least one page's worth of prompt goes in every step, however many decode. `ready(seq)` may
-        hold the queue's head back (its LoRA adapter has no slot yet) or end it (`finish`) before
-        it runs. Returns the sequences admitted now. The caller prefills every chunk in this step
-        (the full pages they write are cached from now on); a sequence whose last chunk it is
-        samples its first token and decodes in this step too."""
+        first decode writes). Tokens and pages found in the prefix cache count for neither. With
+        `long_prefill_token_threshold` set no chunk is longer, and what a long prompt leaves of the
+        budget goes to those behind it. At least one page's worth of prompt (or the threshold, if
+        smaller) goes in every step, however many decode. `ready(seq)` may hold the queue's head
+        back (its LoRA adapter has no slot yet) or end it (`finish`) before it runs. Returns the
+        sequences admitted now. The caller prefills every chunk in this step (the full pages they
+        write are cached from now on); a sequence whose last chunk it is samples its first token
+        and decodes in this step too."""
         for seq in self.chunks:  # the last step's chunks are in their pages now
             seq.prefill_start = seq.prefill_end
         self.chunks = []
@@ -231,10 +241,11 @@ class Scheduler:
         return admitted
 
     def _plan_chunk(self, seq: Sequence, budget: int) -> int:
-        """Give seq this step's chunk: as much of its prompt as `budget` allows. The full pages the
-        chunk completes become cached now (this step's prefill writes them before any reader's
-        attention reads them). Returns the chunk's token count."""
-        seq.prefill_end = min(seq.length, seq.prefill_start + budget)
+        """Give seq this step's chunk: as much of its prompt as `budget` and the pacing threshold
+        allow. The full pages the chunk completes become cached now (this step's prefill writes them
+        before any reader's attention reads them). Returns the chunk's token count."""
+        still_to_prefill = seq.length - seq.prefill_start
+        seq.prefill_end = seq.prefill_start + chunk_tokens(still_to_prefill, budget, self.long_prefill_token_threshold)
         self.chunks.append(seq)
         if seq.prefill_end == seq.length:  # its last chunk: it samples its first token and decodes this step
             seq.in_prefill = False
