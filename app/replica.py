@@ -171,8 +171,12 @@ class LLMReplica:
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
         asked = time.monotonic()
-        # the engine process imports torch and the engine while the controller is asked what to serve
-        child = EngineChild() if self.config.tensor_parallel_size == 1 else None
+        # The engine process starts loading the configured model while the controller is asked
+        # whether a swap put another in force (rare: then this child is discarded for one that loads it).
+        child = None
+        if self.config.tensor_parallel_size == 1:
+            child = EngineChild()
+            child.configure(engine_config(self.config))
         try:
             target = await self._serving_model()
         except BaseException:

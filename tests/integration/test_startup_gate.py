@@ -88,6 +88,8 @@ def test_requests_refused_until_capture_done(server):
     server.wait_ready()
     (status,) = replica_statuses(server).values()
     assert status["state"] == "READY"
+    startup = status["startup"]  # the replica's own parts of its start, beside the engine's phases
+    assert 0 <= startup["controller_s"] < startup["replica_s"] and 0 < startup["engine_start_s"] < startup["replica_s"]
     for i in range(AFTER_READY):
         r = server.complete("tenant-a" if i % 2 else "tenant-b", max_tokens=3)
         assert r.status_code == 200, r.text

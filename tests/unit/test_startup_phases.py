@@ -44,6 +44,9 @@ def test_an_engine_reports_its_startup_phases_and_logs_them_once(tiny, graphs, m
     assert phases["load"] > 0 and phases["warmup"] > 0 and phases["compile"] == 0
     assert (phases["capture"] > 0 and phases["verify"] > 0) == graphs
     assert startup["compiled_graphs"] == 0
+    assert set(startup["first_call_s"]) == ({"1", "2"} if graphs else {"1"}) and all(
+        s >= 0 for s in startup["first_call_s"].values()
+    )
     assert engine.status().as_dict()["startup"] == startup
     ready = [r.getMessage() for r in caplog.records if "engine READY" in r.getMessage()]
     assert len(ready) == 1 and f"{startup['total_s']:.1f} s" in ready[0], ready

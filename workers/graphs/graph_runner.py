@@ -110,6 +110,7 @@ class GraphRunner(CapturedBuckets):
         self._pool = None  # the memory pool of the capture in progress (see `_capture_bucket`)
         self.compile_s = 0.0
         self.phase_s: dict[str, float] = {}  # start-up seconds by phase: compile (or warmup), capture, verify
+        self.first_call_s: dict[int, float] = {}  # each bucket's first decode step at warm-up (compiles)
         self.graphs = 0  # graphs dynamo compiled for this runner's warm-up
         self.model_runner = ModelRunner(model, cache, max(buckets), lora)
         self.compiled = False
@@ -284,22 +285,39 @@ class GraphRunner(CapturedBuckets):
         buckets = sorted(self.table.buckets if self.enabled else (1,), reverse=True)
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             t0, graphs = time.perf_counter(), graphs_compiled()
+            self.first_call_s = {}
             for bucket in buckets:
                 self.model_runner.load(self._scratch_batch(bucket), bucket)
                 self.model_runner.step(bucket)
+                if stream:
+                    torch.cuda.synchronize()
+                self.first_call_s[bucket] = time.perf_counter() - t0 - sum(self.first_call_s.values())
             with no_recompile():
                 for bucket in buckets:
                     self.model_runner.load(self._scratch_batch(bucket), bucket)
                     self.model_runner.step(bucket)
-            if self.prefill_graphs is not None:
-                self.prefill_graphs.warmup()
             if stream:
                 torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if self.prefill_graphs is not None:  # eager pieces per prefill bucket: lazy init, no compile
+                self.prefill_graphs.warmup()
+                if stream:
+                    torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t1
         if self.compiled:
             self.compile_s, self.graphs = seconds, graphs_compiled() - graphs
-            log.info("compiled the decode step for %d buckets: %d graphs, %.1f s", len(buckets), self.graphs, seconds)
-        self.phase_s["compile" if self.compiled else "warmup"] = seconds
+            slowest = sorted(self.first_call_s.items(), key=lambda kv: -kv[1])[:3]
+            log.info(
+                "compiled the decode step for %d buckets: %d graphs, %.1f s (slowest first calls: %s)",
+                len(buckets),
+                self.graphs,
+                seconds,
+                ", ".join(f"bs {b} {s:.1f} s" for b, s in slowest),
+            )
+        if self.compiled:
+            self.phase_s["compile"] = seconds
+        self.phase_s["warmup"] = prefill_s + (0.0 if self.compiled else seconds)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -129,6 +129,15 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
     return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
 
 
+def first_calls(runners: Iterable[GraphRunner]) -> dict[str, float]:
+    """Seconds of each bucket's first decode step at warm-up, over all runners: where compiling went."""
+    seconds: dict[str, float] = {}
+    for runner in runners:
+        for bucket, s in runner.first_call_s.items():
+            seconds[str(bucket)] = seconds.get(str(bucket), 0.0) + s
+    return seconds
+
+
 def make_runners(model: LlamaModel, cache: KVCache, config: EngineConfig) -> StepRunners:
     """The plain runner (its prefills captured too, per bucket of token counts up to the step's
     token budget) and, with LoRA slots, one captured with them (sharing one shadow verifier, whose
@@ -224,7 +233,10 @@ class LLMEngine:
             self.state = EngineState.FAILED
             raise
         clock.stop()
-        self.startup = clock.report() | {"compiled_graphs": sum(r.graphs for r in self.runners.all)}
+        self.startup = clock.report() | {
+            "compiled_graphs": sum(r.graphs for r in self.runners.all),
+            "first_call_s": first_calls(self.runners.all),
+        }
         self.state = EngineState.READY
         buckets = sum(len(r.table.ready) for r in self.runners.all)
         log.info(
