@@ -113,6 +113,7 @@ def start_once(config: str, model_dir: str, cache_dir: str, start: str) -> dict:
         "engine_start_s": startup["engine_start_s"],
         "engine_s": startup["total_s"],
         "phases": startup["phases"],
+        "first_call_s": startup["first_call_s"],
     }
 
 
@@ -215,6 +216,12 @@ def merge(old: list[dict], new: list[dict], key: tuple[str, ...]) -> list[dict]:
     return kept + list(fresh.values())
 
 
+def slowest_first_calls(row: dict, n: int = 2) -> str:
+    """Where the compile phase went: the buckets whose first decode step took longest."""
+    calls = sorted(row.get("first_call_s", {}).items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"bs {b}: {s:.1f}" for b, s in calls)
+
+
 def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [
@@ -226,8 +233,9 @@ def markdown(result: dict) -> str:
         "process). Command: `python bench/startup.py startup --configs 1b` (then 8b), `... tpot --configs 1b 8b`.",
         "",
         "| config | start | buckets (compiled) | graphs | ready_s (target) | replica actor up | replica_s "
-        "| controller | engine process | engine_s | load | allocate | compile | capture | verify | warmup | cache MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| controller | engine process | engine_s | load | allocate | compile | capture | verify | warmup | cache MB "
+        "| slowest first steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     nan = float("nan")  # rows measured before the replica reported these parts
     for r in result.get("startup", []):
@@ -239,7 +247,7 @@ def markdown(result: dict) -> str:
             f"{ready} | {r.get('replica_init_s', nan):.1f} | {r['replica_s']:.1f} | {r.get('controller_s', nan):.1f} | "
             f"{r.get('engine_start_s', nan):.1f} | {r['engine_s']:.1f} | "
             + " | ".join(f"{p[k]:.1f}" for k in ("load", "allocate", "compile", "capture", "verify", "warmup"))
-            + f" | {r['cache_mb']:.0f} |"
+            + f" | {r['cache_mb']:.0f} | {slowest_first_calls(r)} |"
         )
     lines += [
         "",
