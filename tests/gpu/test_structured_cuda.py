@@ -74,12 +74,18 @@ def test_the_kernel_bans_on_cuda_what_the_torch_ops_ban_on_cpu(width, words):
     assert token_mask.available(on_gpu)
     apply_token_bitmask(on_gpu, torch.tensor(rows, device="cuda"), bitmask.cuda())
     assert torch.equal(on_gpu.cpu(), on_cpu)
+    masks = torch.tensor([2, 0, 1])  # bitmask rows picked by index, as the sampler's rows by slot
+    on_cpu = apply_token_bitmask(logits.clone(), torch.tensor(rows), bitmask, masks)
+    on_gpu = logits.cuda()
+    apply_token_bitmask(on_gpu, torch.tensor(rows, device="cuda"), bitmask.cuda(), masks.cuda())
+    assert torch.equal(on_gpu.cpu(), on_cpu)
 
 
 def test_the_mask_buffers_reused_step_after_step_give_each_step_its_own_masks():
     """No host sync between steps, and each step's launch queued behind slow matmuls: a copy that
     overwrote the device buffer before the last launch read it, or a fill that overwrote the host
-    buffer under a copy still pending, would give some step another step's masks."""
+    buffer under a copy still pending, would give some step another step's masks. Each row's
+    bitmask goes to a slot's row of the buffer, as the sampler's fills do."""
     device = torch.device("cuda")
     slots, words, width = 16, 4008, 128256
     buffers = BitmaskBuffers(slots, words, device)
@@ -88,8 +94,11 @@ def test_the_mask_buffers_reused_step_after_step_give_each_step_its_own_masks():
     steps = []
     for step in range(24):
         rows = torch.randperm(slots, generator=g)[: 1 + step % slots].tolist()
+        at = torch.randperm(slots, generator=g)[: len(rows)].tolist()  # their bitmask rows (slots)
         bitmask = torch.randint(-(2**31), 2**31, (len(rows), words), dtype=torch.int32, generator=g)
-        buffers.stage(rows).copy_(bitmask)
+        buffers.writable()
+        buffers.masks[at] = bitmask
+        buffers.stage(rows, at)
         buffers.send()
         logits = torch.randn(slots, width, device=device)
         before = logits.clone()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-import llguidance
 import pytest
 import torch
 from pydantic import BaseModel, Field
@@ -181,6 +180,10 @@ def test_special_and_padded_tokens_are_never_allowed(compiler):
     assert max(inside) < len(TOKENIZER)  # the padded columns past the tokenizer's
 
 
+def test_the_masks_cover_the_tokenizers_ids_not_the_padded_logits(compiler):
+    assert compiler.mask_words == -(-len(TOKENIZER) // 32) < -(-WIDTH // 32)
+
+
 def test_replay_restores_the_state_and_refuses_tokens_the_schema_forbids(compiler):
     walked, replayed = person(compiler), person(compiler)
     prefix = ids(DOCUMENT)[:20]
@@ -203,8 +206,7 @@ def test_the_thread_pool_fills_the_same_masks_as_one_row_after_another(compiler)
     grammars = [person(compiler) for _ in range(9)]
     for n, grammar in enumerate(grammars):
         grammar.replay(ids(DOCUMENT)[: 4 * n])
-    serial, pooled = MaskFiller(), MaskFiller()
-    serial.executor, pooled.executor = None, llguidance.LLExecutor(2)
+    serial, pooled = MaskFiller(threads=1), MaskFiller(threads=2)
     a = torch.zeros(len(grammars), grammars[0].words, dtype=torch.int32)
     b = torch.zeros_like(a)
     serial.fill(grammars, a)
@@ -328,3 +330,66 @@ def test_the_mask_buffers_are_kept_across_steps_and_a_smaller_batch_bans_only_in
     assert sampler.bitmasks is buffers
     assert torch.equal(logits[[0, 1, 3]], before[[0, 1, 3]])
     assert torch.equal(logits[2], apply_reference(before[2], allowed(seqs[2].grammar)))
+
+
+def test_a_fill_ahead_in_the_fillers_thread_fills_what_a_fill_now_does(compiler):
+    grammars = [person(compiler) for _ in range(5)]
+    for n, grammar in enumerate(grammars):
+        grammar.replay(ids(DOCUMENT)[: 5 * n])
+    rows = [4, 0, 6, 2, 1]
+    now, ahead = MaskFiller(threads=1), MaskFiller(threads=2)
+    a = torch.zeros(8, grammars[0].words, dtype=torch.int32)
+    b = torch.zeros_like(a)
+    now.fill(grammars, a, rows)
+    ahead.start([(g.matcher, r) for g, r in zip(grammars, rows)], b)
+    ahead.wait()
+    assert torch.equal(a, b) and not a[[3, 5, 7]].any() and a[rows].any(dim=1).all()
+
+
+def test_a_fill_ahead_that_fails_raises_where_it_is_waited_for(compiler):
+    grammar = person(compiler)
+    filler = MaskFiller(threads=1)
+    filler.start([(grammar.matcher, 0)], torch.zeros(1, grammar.words + 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="Invalid buffer size"):
+        filler.wait()
+    filler.wait()  # raised once
+    bitmask = torch.zeros(1, grammar.words, dtype=torch.int32)
+    filler.start([(grammar.matcher, 0)], bitmask)
+    filler.wait()
+    assert texts(allowed(grammar)) == {"{"} and bitmask.any()
+
+
+def test_a_fill_ahead_is_used_where_its_sequence_has_not_moved_and_redone_where_it_has(compiler, monkeypatch):
+    """A mask filled ahead into a slot's row serves its sequence while that sequence is still in
+    the slot and at the same place in its grammar; one that took a token since, moved to another
+    slot, or whose row another sequence's mask has since taken, is filled again."""
+    sampler, free_sampler = (BatchSampler(16, WIDTH, torch.device("cpu")) for _ in range(2))
+    filled = []
+    fill = sampler.masks.fill
+    monkeypatch.setattr(
+        sampler.masks, "fill", lambda g, bitmask, rows: (filled.append(list(rows)), fill(g, bitmask, rows))
+    )
+    gen = torch.Generator().manual_seed(7)
+
+    def check(seqs):
+        sampler.settle()  # the reference reads the grammars: not while the fill ahead holds them
+        logits = torch.randn(len(seqs), WIDTH, generator=gen) * 3
+        free = batch(compiler, free_sampler, [False] * len(seqs))
+        expected = free_sampler.sample(masked_beforehand(logits, seqs), free)
+        assert sampler.sample(logits, seqs) == expected
+
+    seqs = batch(compiler, sampler, [True] * 4)
+    sampler.fill_ahead(seqs)
+    check(seqs)
+    assert filled == []
+    seqs[1].slot = 9  # preempted, then admitted again into another slot
+    seqs[2].grammar.accept(ids("a")[0])  # took a token with no fill ahead since
+    (newcomer,) = batch(compiler, sampler, [True])
+    newcomer.slot = 3
+    check([newcomer])  # slot 3's row now holds the newcomer's mask
+    assert filled == [[3]]
+    check(seqs)
+    assert filled == [[3], [9, 2, 3]]
+    sampler.fill_ahead(seqs)
+    check(seqs)
+    assert len(filled) == 2

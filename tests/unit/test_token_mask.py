@@ -53,6 +53,16 @@ def test_the_torch_ops_ban_what_the_bits_leave_out_and_touch_no_other_row(width,
         assert torch.equal(out[free], before[free])
 
 
+def test_the_bitmask_rows_are_picked_by_index():
+    """The sampler keeps a bitmask row per slot: row masks[i] is logits row rows[i]'s."""
+    logits, rows, bitmask = random_case(70, 3, seed=2)
+    spare = torch.randint(-(2**31), 2**31, (2, 3), dtype=torch.int32, generator=torch.Generator().manual_seed(9))
+    by_slot = torch.cat([spare[:1], bitmask[2:], bitmask[:1], spare[1:], bitmask[1:2]])  # rows 1, 2 and 4 used
+    masks = torch.tensor([2, 4, 1])
+    expected = reference(logits, rows, bitmask)
+    assert torch.equal(apply_token_bitmask(logits, torch.tensor(rows), by_slot, masks), expected)
+
+
 def test_a_bitmask_of_every_bit_changes_nothing():
     logits, rows, bitmask = random_case(128256, 4008, seed=1)
     before = logits.clone()
@@ -73,6 +83,11 @@ for width, words in SHAPES:
     apply_token_bitmask(ops, torch.tensor(rows), bitmask)
     assert torch.equal(kernel, ops), (width, words)
     assert torch.isinf(kernel).sum() > 0
+    masks = torch.tensor([1, 2, 0], dtype=torch.int32)  # bitmask rows picked by index
+    kernel, ops = logits.clone(), logits.clone()
+    token_mask.ban(kernel, torch.tensor(rows, dtype=torch.int32), bitmask, masks)
+    apply_token_bitmask(ops, torch.tensor(rows), bitmask, masks)
+    assert torch.equal(kernel, ops), (width, words, "masks")
 print("same")
 """
 

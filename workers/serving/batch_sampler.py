@@ -10,18 +10,24 @@ Each part runs only when some row of the batch asks for it: a batch without pena
 a schema or logprobs costs what sampling alone does.
 
 A row with a grammar (`grammar.py`) draws only what it allows: its token bitmask is filled on the
-host first, while the device still runs the replayed step, copied over on a stream of its own, and
-applied after logit_bias (in place, one kernel on CUDA), so the logprobs reported are those of the
-constrained distribution. Free rows of the batch are not touched. Nothing on that path waits for
-the device: a blocking copy there (an index tensor built on the device from a list) held the host
-until the step ended, and then the device idled while each later kernel was launched.
+host, copied over on a stream of its own, and applied after logit_bias (in place, one kernel on
+CUDA), so the logprobs reported are those of the constrained distribution. Free rows of the batch
+are not touched. The masks are filled ahead (`fill_ahead`, which the engine calls once the step's
+tokens are taken): in the mask filler's thread, one bitmask row per sequence slot, while the engine
+ends the step, prepares the next and the device runs it; `sample` waits for that fill, fills now
+only what it did not cover (a sequence that has just been prefilled, or moved to another slot), and
+sends them. Where the fill ran from the replay's launch only, it lay on the step's critical path
+whenever it took longer than the device's step (a batch of rows inside free JSON strings).
+Nothing on that path waits for the device: a blocking copy there (an index tensor built on the
+device from a list) held the host until the step ended, and then the device idled while each later
+kernel was launched.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.serving.grammar import MaskFiller
+from workers.serving.grammar import Grammar, MaskFiller
 from workers.serving.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
@@ -49,41 +55,66 @@ EVERY_PART = SamplingParams(
 
 
 class BitmaskBuffers:
-    """The token bitmasks of a batch's rows under a grammar, and those rows' indices: filled on the
-    host, sent in one copy, applied by one launch.
+    """The token bitmasks of the sequences under a grammar, one row per sequence slot, and the
+    indices of a batch's constrained rows and of their bitmask rows: filled on the host, sent in one
+    copy, applied by one launch.
 
-    One buffer on each side, laid out alike: the row indices (room for every slot, rounded up to 4
-    so the bitmasks after them start 16-byte aligned, as every tensor of the kernel's warm-up was:
-    Triton compiles apart for a pointer that is not), then one bitmask row per constrained row. On
-    CUDA the host buffer is pinned and the copy runs on a stream of its own, so it overlaps the step
-    the device is still running; the main stream waits for the copy only where the masks are
-    applied. No step allocates: the buffers are sized for every slot once.
+    One buffer on each side, laid out alike: the logits rows' indices, then their bitmask rows'
+    (their slots), each with room for every slot rounded up to 4 ints, so what follows starts
+    16-byte aligned, as every tensor of the kernel's warm-up was (Triton compiles apart for a pointer
+    that is not); then one bitmask row per slot. A row is kept with the grammar whose mask it holds
+    (`holder`): a sequence that has not moved since its row was filled needs no fill. On CUDA the
+    host buffer is pinned and the copy (the indices and the bitmask rows up to the highest one used)
+    runs on a stream of its own, so it overlaps the step the device is still running; the main
+    stream waits for the copy only where the masks are applied. No step allocates: the buffers are
+    sized for every slot once.
     """
 
     def __init__(self, num_slots: int, words: int, device: torch.device) -> None:
         self.words = words
         self.rows = 0
-        self._offset = -(-num_slots // 4) * 4
+        self._span = -(-num_slots // 4) * 4
+        self._offset = 2 * self._span
+        self._size = 0  # ints the staged batch needs copied
         cuda = device.type == "cuda"
         self.on_host = torch.empty(self._offset + num_slots * words, dtype=torch.int32, pin_memory=cuda)
         self.on_device = torch.empty_like(self.on_host, device=device) if cuda else self.on_host
+        self._indices = self.on_host[: self._offset].numpy()  # written from lists without a tensor each
+        self.masks = self.on_host[self._offset :].view(num_slots, words)  # the host bitmask rows, by slot
+        self.holder: list[Grammar | None] = [None] * num_slots
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._sent = torch.cuda.Event() if cuda else None  # the last copy has read the host buffer
         self._read = torch.cuda.Event() if cuda else None  # the last launch has read the device buffer
 
-    def stage(self, rows: list[int]) -> torch.Tensor:
-        """Take these logits rows' indices; returns the host bitmask rows to fill, one per index."""
+    def writable(self) -> None:
+        """Wait until the last copy has read the host buffer (done long ago: the last step's tokens
+        were read after it)."""
         if self._sent is not None:
-            self._sent.synchronize()  # done long ago: the last step's tokens were read after it
-        self.rows = len(rows)
-        self.on_host[: self.rows] = torch.tensor(rows, dtype=torch.int32)
-        return self._bitmask(self.on_host)
+            self._sent.synchronize()
+
+    def holds(self, grammar: Grammar, slot: int) -> bool:
+        """Whether bitmask row `slot` holds this grammar's mask for the place it is at."""
+        return grammar.filled == slot and self.holder[slot] is grammar
+
+    def filled(self, grammars: list[tuple[Grammar, int]]) -> None:
+        """Record that each (grammar, slot)'s bitmask row now holds that grammar's mask."""
+        for grammar, slot in grammars:
+            self.holder[slot] = grammar
+            grammar.filled = slot
+
+    def stage(self, rows: list[int], slots: list[int]) -> None:
+        """Take these logits rows' indices and their bitmask rows' (their slots)."""
+        self.writable()
+        n = self.rows = len(rows)
+        self._indices[:n] = rows
+        self._indices[self._span : self._span + n] = slots
+        self._size = self._offset + (max(slots) + 1) * self.words
 
     def send(self) -> None:
-        """Copy what `stage` took and the bitmasks filled to the device (no copy off CUDA)."""
+        """Copy what `stage` took and the bitmask rows it names to the device (no copy off CUDA)."""
         if self._stream is None:
             return
-        size = self._offset + self.rows * self.words
+        size = self._size
         self._stream.wait_event(self._read)
         with torch.cuda.stream(self._stream):
             self.on_device[:size].copy_(self.on_host[:size], non_blocking=True)
@@ -91,16 +122,16 @@ class BitmaskBuffers:
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the banned logits of the staged rows to -inf, in place."""
+        rows = self.on_device[: self.rows]
+        slots = self.on_device[self._span : self._span + self.rows]
+        bitmask = self.on_device[self._offset :].view(-1, self.words)
         if self._sent is None:
-            apply_token_bitmask(logits, self.on_device[: self.rows], self._bitmask(self.on_device))
+            apply_token_bitmask(logits, rows, bitmask, slots)
             return
         stream = torch.cuda.current_stream(logits.device)
         stream.wait_event(self._sent)
-        apply_token_bitmask(logits, self.on_device[: self.rows], self._bitmask(self.on_device))
+        apply_token_bitmask(logits, rows, bitmask, slots)
         self._read.record(stream)
-
-    def _bitmask(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[self._offset : self._offset + self.rows * self.words].view(self.rows, self.words)
 
 
 class BatchSampler:
@@ -109,6 +140,7 @@ class BatchSampler:
         self.in_prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.masks = MaskFiller()
         self.bitmasks: BitmaskBuffers | None = None  # made by the first batch with a grammar
+        self._ahead: list[tuple[Grammar, int]] | None = None  # the (grammar, slot)s a fill ahead fills
 
     @staticmethod
     def history_bytes(num_slots: int, vocab_size: int) -> int:
@@ -135,7 +167,7 @@ class BatchSampler:
         did). Logprobs are of the logits as penalties and logit_bias left them, before temperature.
         The rows of `logits` under a grammar are changed in place: the caller reads them no more."""
         params = [s.params for s in seqs]
-        constrained = self._send_masks(seqs)  # first: the host fills them while the device runs the step
+        constrained = self._send_masks(seqs)  # first: what the fill ahead left is filled while the device runs
         logits = logits.float()
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:  # their rows and slots
@@ -153,17 +185,48 @@ class BatchSampler:
         return tokens.tolist(), logprobs
 
     def _send_masks(self, seqs: list[Sequence]) -> bool:
-        """Fill the token bitmasks of the rows with a grammar and send them to the device; False
-        where no row has one."""
+        """Send the token bitmasks of the rows with a grammar to the device, those the fill ahead
+        did not cover filled now; False where no row has one."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return False
-        grammars = [seqs[i].grammar for i in rows]
-        if self.bitmasks is None or self.bitmasks.words != grammars[0].words:
-            self.bitmasks = BitmaskBuffers(self.counts.shape[0], grammars[0].words, self.counts.device)
-        self.masks.fill(grammars, self.bitmasks.stage(rows))
-        self.bitmasks.send()
+        buffers = self._buffers(seqs[rows[0]].grammar.words)
+        slots = [seqs[i].slot for i in rows]
+        missing = [(seqs[i].grammar, seqs[i].slot) for i in rows if not buffers.holds(seqs[i].grammar, seqs[i].slot)]
+        if missing:
+            grammars, at = zip(*missing)
+            buffers.writable()
+            self.masks.fill(grammars, buffers.masks, at)
+            buffers.filled(missing)
+        buffers.stage(rows, slots)
+        buffers.send()
         return True
+
+    def fill_ahead(self, seqs: list[Sequence]) -> None:
+        """Start filling the masks of these sequences' grammars (those still running, after their
+        last token) in the mask filler's thread, each into its slot's bitmask row; returns at once.
+        The next `sample` waits for it. Nothing may touch these grammars until then."""
+        ahead = [(s.grammar, s.slot) for s in seqs if s.grammar is not None and s.slot >= 0]
+        if not ahead:
+            return
+        buffers = self._buffers(ahead[0][0].words)
+        buffers.writable()
+        self.masks.start([(g.matcher, slot) for g, slot in ahead], buffers.masks)
+        self._ahead = ahead
+
+    def settle(self) -> None:
+        """Wait for the fill ahead, if one runs (then its grammars may be touched again)."""
+        self.masks.wait()
+        if self._ahead is not None:
+            self.bitmasks.filled(self._ahead)
+            self._ahead = None
+
+    def _buffers(self, words: int) -> BitmaskBuffers:
+        """The bitmask buffers (made by the first batch with a grammar), no fill running into them."""
+        self.settle()
+        if self.bitmasks is None or self.bitmasks.words != words:
+            self.bitmasks = BitmaskBuffers(self.counts.shape[0], words, self.counts.device)
+        return self.bitmasks
 
     def probe(self, rows: int) -> list[Sequence]:
         """Sequences in slots 0 to rows - 1 asking for every part, their history loaded (the next

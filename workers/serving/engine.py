@@ -646,6 +646,9 @@ class LLMEngine:
                 self._retire(seq, "stop", event)
             elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
                 self._retire(seq, "length", event)
+        # the next masks of the rows still running, in the filler's thread while this step ends and
+        # the next is prepared and launched: `sample` waits for them
+        self.sampler.fill_ahead(seqs)
 
     def _retire(self, seq: Sequence, reason: str, event: TokenEvent) -> None:
         self.scheduler.finish(seq, reason)

@@ -11,6 +11,15 @@ engine (failover) replays the tokens its client already has into its copy first.
 JSON is written compactly, as `json.dumps` does (`", "` and `": "`, no other whitespace): a small
 model given free whitespace may never leave it. End-of-sequence tokens are allowed only where the
 grammar may end, and a sequence whose grammar is complete ends there (finish reason `stop`).
+
+A mask costs what llguidance's walk of the token trie costs, which depends on where the grammar is:
+a few microseconds where one token is forced, a fraction of a millisecond inside a free string,
+where most of the vocabulary is allowed. So a step's masks are filled ahead (`MaskFiller.start`):
+in a thread of the filler's own, as soon as the grammars have taken the step's tokens, while the
+engine ends that step and prepares and launches the next; llguidance holds no interpreter lock
+while it fills, and the sampler waits only where it applies them. The masks are as wide as the
+tokenizer's vocabulary, not the model's logits: the padded columns past it are banned by the
+apply without a bit of their own.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import concurrent.futures
 import functools
 import json
 import os
+import queue
 import threading
+import weakref
 from collections import OrderedDict
 
 import llguidance
@@ -34,6 +45,8 @@ JSON_OBJECT = '{"type":"object"}'  # what `response_format: {"type": "json_objec
 CACHE_SIZE = 256  # compiled schemas kept per engine
 PARALLEL_MIN_ROWS = 8  # below this, or on a host of few cores, masks are filled one row after another
 PARALLEL_MIN_CPUS = 8
+MAX_FILL_THREADS = 8
+FILL_THREADS_ENV = "GRAPHSERVE_MASK_THREADS"  # llguidance threads per fill (default: `fill_threads`)
 
 
 class InvalidSchema(InvalidRequest):
@@ -67,20 +80,24 @@ def reason(matcher: llguidance.LLMatcher) -> str:
 
 
 class Grammar:
-    """One sequence's place in its grammar; `words`: the int32 words of its token bitmask."""
+    """One sequence's place in its grammar; `words`: the int32 words of its token bitmask; `filled`:
+    the bitmask row its mask for the place it is at was last written to (-1: none since it moved)."""
 
-    __slots__ = ("matcher", "words")
+    __slots__ = ("matcher", "words", "filled")
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int) -> None:
         self.matcher = matcher
         self.words = words
+        self.filled = -1
 
     def accept(self, token: int) -> bool:
         """Advance by a drawn token; False if the grammar does not allow it (never for a masked draw)."""
+        self.filled = -1
         return self.matcher.consume_token(token)
 
     def replay(self, tokens: list[int]) -> None:
         """Advance by the tokens a continuation's client already has; InvalidRequest if they do not fit."""
+        self.filled = -1
         if tokens and not self.matcher.consume_tokens(tokens):
             raise InvalidRequest(f"cannot continue this stream: its tokens do not fit its schema ({self.error})")
 
@@ -95,16 +112,20 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """One engine's grammars: compiled for its tokenizer and logits width, cached, off the step loop.
+    """One engine's grammars: compiled for its tokenizer, cached, off the step loop.
 
     The llguidance tokenizer (about 0.2 s for 49k tokens) is built on the first compile, in the
-    compile thread, so an engine that never serves a schema never pays for it."""
+    compile thread, so an engine that never serves a schema never pays for it. `vocab_size` is the
+    model's logits width: the masks need not cover it. Ids past the tokenizer's (a padded
+    vocabulary: 128256 logits over a 49152-token tokenizer in the benchmark) have no bytes and are
+    never allowed, and the apply bans every column past a mask's words, so a mask has a bit only
+    for the tokenizer's ids (and the end-of-sequence ids): at 49152 of 128256, 2.6x fewer words to
+    fill, copy to the device and read."""
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int, cache_size: int = CACHE_SIZE):
         self.hf_tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        # ids past the tokenizer's (a padded vocabulary) have no bytes: never allowed
-        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.vocab_size = max(len(tokenizer), max(eos_token_ids, default=-1) + 1)
         self.cache_size = cache_size
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
@@ -160,21 +181,92 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def fill_threads() -> int:
+    """llguidance threads a fill uses: one on a host of few cores (measured in
+    bench/results/grammar_engines_cpu.md: on 2 cores its pool costs more than it saves), else half
+    the cores up to MAX_FILL_THREADS; FILL_THREADS_ENV overrides."""
+    if os.environ.get(FILL_THREADS_ENV):
+        return max(1, int(os.environ[FILL_THREADS_ENV]))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 1 if cpus < PARALLEL_MIN_CPUS else min(MAX_FILL_THREADS, cpus // 2)
+
+
 class MaskFiller:
-    """Fills the token bitmasks of a batch's constrained rows from their grammars, on the host."""
+    """Fills the token bitmasks of grammars on the host: now (`fill`), or ahead, in a thread of its
+    own (`start`; then `wait` before the masks are read or those grammars touched: llguidance holds
+    each matcher for the fill, and another call on one meanwhile raises)."""
 
-    def __init__(self) -> None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        # measured (bench/results/grammar_engines_cpu.md): on 2 cores llguidance's thread pool costs
-        # more than it saves; on a GPU host its threads fill a large batch in parallel
-        self.executor = llguidance.LLExecutor() if cpus >= PARALLEL_MIN_CPUS else None
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or fill_threads()
+        self._reset()
 
-    def fill(self, grammars: list[Grammar], bitmask: torch.Tensor) -> None:
-        """Row i of `bitmask` (a contiguous host int32 tensor) gets grammar i's allowed tokens."""
+    def _reset(self) -> None:
+        self._executor: llguidance.LLExecutor | None = None  # made by the first fill that needs it
+        self._pid = os.getpid()  # a forked child has neither the fill thread nor the pool's threads
+        self._jobs: queue.SimpleQueue | None = None  # to the fill thread, started by the first `start`
+        self._done = threading.Lock()  # held while a fill runs in the thread
+        self._outcome: list[BaseException] = []  # what it raised
+        self._pending = False
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        """llguidance's pool of `threads` threads. The fills ahead go through it even with one: one
+        call for the batch, so the interpreter lock is taken once a fill, not once a row against
+        the step loop's Python."""
+        if self._pid != os.getpid():
+            self._reset()
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self.threads)
+        return self._executor
+
+    def fill(self, grammars: list[Grammar], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Now, on this thread: row rows[i] (default i) of `bitmask` (a contiguous host int32 tensor)
+        gets grammar i's allowed tokens. With llguidance's pool where it has threads and rows to share."""
         start, row_bytes = bitmask.data_ptr(), bitmask.shape[1] * 4
-        if self.executor is not None and len(grammars) >= PARALLEL_MIN_ROWS:
-            pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
+        rows = range(len(grammars)) if rows is None else rows
+        if self.threads > 1 and len(grammars) >= PARALLEL_MIN_ROWS:
+            pairs = [(g.matcher, r) for g, r in zip(grammars, rows)]
             self.executor.unsafe_compute_mask_ptr(pairs, start, row_bytes, bitmask.shape[0])
             return
-        for i, g in enumerate(grammars):  # addresses: a tensor view per row costs microseconds
-            g.matcher.unsafe_compute_mask_ptr(start + i * row_bytes, row_bytes)
+        for g, r in zip(grammars, rows):  # addresses: a tensor view per row costs microseconds
+            g.matcher.unsafe_compute_mask_ptr(start + r * row_bytes, row_bytes)
+
+    def start(self, pairs: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> None:
+        """In the fill thread, row r of `bitmask` gets matcher m's allowed tokens for each (m, r) of
+        `pairs`; returns at once (after any fill still running)."""
+        self.wait()
+        executor = self.executor
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_fill_thread, args=(self._jobs,), name="graphserve-masks", daemon=True).start()
+            weakref.finalize(self, self._jobs.put, None)  # the thread ends with its filler
+        self._done.acquire()
+        self._pending = True
+        self._jobs.put((executor, pairs, bitmask, self._done, self._outcome))
+
+    def wait(self) -> None:
+        """Until the fill started last has ended; raises what it raised."""
+        if not self._pending or self._pid != os.getpid():
+            return
+        self._done.acquire()
+        self._done.release()
+        self._pending = False
+        if self._outcome:
+            raise self._outcome.pop()
+
+
+def _fill_thread(jobs: queue.SimpleQueue) -> None:
+    """A filler's thread: one batch call a job (llguidance drops the interpreter lock while it
+    fills), `done` released when it has ended. Holds no reference to its filler."""
+    while (job := jobs.get()) is not None:
+        _run_fill(*job)
+        del job  # the matchers and the buffer: not held past their fill
+
+
+def _run_fill(executor: llguidance.LLExecutor, pairs: list, bitmask: torch.Tensor, done: threading.Lock, outcome: list):
+    try:
+        executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+    except BaseException as e:  # raised where the step waits for it
+        outcome.append(e)
+    finally:
+        done.release()

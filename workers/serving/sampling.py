@@ -160,14 +160,19 @@ def apply_penalties(
     return logits - frequency[:, None] * counts - presence[:, None] * generated
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits`, changed in place: row rows[i]'s tokens outside bitmask i set to -inf (bit j of word
-    w allows token 32 * w + j; columns past the bitmask's are never allowed). Other rows are not
-    touched. On CUDA one kernel (`token_mask.py`), elsewhere the same in torch ops."""
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, masks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`logits`, changed in place: row rows[i]'s tokens outside bitmask row masks[i] (default: row
+    i) set to -inf (bit j of word w allows token 32 * w + j; columns past the bitmask's are never
+    allowed). Other rows are not touched. On CUDA one kernel (`token_mask.py`), elsewhere the same
+    in torch ops."""
     rows = rows.to(torch.int32)  # one dtype, so the warm-up compiles the kernel serving launches
     if token_mask.available(logits):
-        token_mask.ban(logits, rows, bitmask)
+        token_mask.ban(logits, rows, bitmask, None if masks is None else masks.to(torch.int32))
         return logits
+    if masks is not None:
+        bitmask = bitmask[masks.long()]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     banned = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]] == 0
     index = rows.long()

@@ -5,8 +5,10 @@ Why a kernel: unpacking the packed int32 words with torch ops takes about seven 
 and, compare, gather of the rows, masked_fill, and an index_put that copies the whole logits),
 each reading and writing a tensor as wide as the vocabulary (16 MB apiece at 32 rows of 128k
 logits), and each a host launch of its own. Here each program takes one constrained row
-and a tile of its words, reads the row's index and words, and writes -inf over the banned logits in
-place: nothing else is read or written, and rows no grammar holds are never touched.
+and a tile of its words, reads the row's index, the index of its bitmask row and those words, and
+writes -inf over the banned logits in place: nothing else is read or written, and rows no grammar
+holds are never touched. The bitmask rows are picked by index (the sampler keeps one per sequence
+slot, filled ahead of the step), so they need not be in the order of the logits rows.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if triton is not None:
     def _ban_kernel(
         logits_ptr,
         rows_ptr,
+        masks_ptr,
         mask_ptr,
         width,
         words,
@@ -46,7 +49,8 @@ if triton is not None:
         i = tl.program_id(0)
         w = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
         row = tl.load(rows_ptr + i).to(tl.int64)
-        bits = tl.load(mask_ptr + i.to(tl.int64) * mask_stride + w, mask=w < words, other=0)
+        mask_row = tl.load(masks_ptr + i).to(tl.int64)
+        bits = tl.load(mask_ptr + mask_row * mask_stride + w, mask=w < words, other=0)
         shift = tl.arange(0, 32)
         banned = ((bits[:, None] >> shift[None, :]) & 1) == 0
         column = w[:, None] * 32 + shift[None, :]
@@ -54,14 +58,17 @@ if triton is not None:
         tl.store(logits_ptr + row * logits_stride + column, inf, mask=banned & (column < width))
 
 
-def ban(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: logits[rows[i]] gets -inf wherever bitmask row i does not allow the token (int32
-    rows; bitmask int32 (len(rows), words), its rows contiguous)."""
+def ban(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, masks: torch.Tensor | None = None) -> None:
+    """In place: logits[rows[i]] gets -inf wherever bitmask row masks[i] (default: row i) does not
+    allow the token (int32 rows and masks; bitmask int32 (rows, words), its rows contiguous)."""
+    if masks is None:
+        masks = torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device)
     width = logits.shape[1]
     grid = (rows.shape[0], triton.cdiv(triton.cdiv(width, 32), WORDS_PER_PROGRAM))
     _ban_kernel[grid](
         logits,
         rows,
+        masks,
         bitmask,
         width,
         bitmask.shape[1],
