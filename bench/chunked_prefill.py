@@ -10,7 +10,9 @@ their arrival to the step that gave their first token. Every budget runs with ev
 `--long-prefill-thresholds` (0: unpaced), a row each, and also without long prompts
 (`itl_ms_p99_no_long`; a threshold no short prompt reaches cuts nothing there, so that run is the
 unpaced one). The first budget (default 8192) unpaced holds a whole long prompt next to the
-decodes: prefill as it was before chunking (`ttft_ms_long_p50_before`).
+decodes: prefill as it was before chunking (`ttft_ms_long_p50_before`). With equal output lengths the
+streams started together end together, so the loop replaces them in waves of prompts;
+`--staggered-outputs` draws each output length around the same mean instead.
 
     python -m bench.chunked_prefill --config 1b --out bench/results/chunked_prefill_h200.json
     python -m bench.chunked_prefill --config tiny --device cpu --streams 8 --long-tokens 300 \\
@@ -62,7 +64,10 @@ def closed_loop(
         arrivals += 1
         long = long_every is not None and arrivals % long_every == 0
         tokens = random_tokens(rng, args.long_tokens if long else args.short_tokens, vocab)
-        params = SamplingParams(max_tokens=args.long_output if long else args.short_output, ignore_eos=True)
+        output = args.long_output if long else args.short_output
+        if args.staggered_outputs:  # same mean, but streams started together do not end together
+            output = rng.randint(output // 2, output * 3 // 2)
+        params = SamplingParams(max_tokens=output, ignore_eos=True)
         seq = engine.add_request(tokens, params)
         born[seq.request_id] = (time.perf_counter(), long)
 
@@ -152,6 +157,12 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=8000)
     ap.add_argument("--long-output", type=int, default=256)
     ap.add_argument("--long-every", type=int, default=4)
+    ap.add_argument(
+        "--staggered-outputs",
+        action="store_true",
+        help="each request's output length drawn uniformly from 0.5x to 1.5x its --*-output (same mean), so the "
+        "streams the loop starts together are not replaced together in waves",
+    )
     ap.add_argument("--budgets", nargs="+", type=int, default=[8192, 4096, 2048, 1024])
     ap.add_argument("--long-prefill-thresholds", nargs="+", type=int, default=[0])
     ap.add_argument("--kv-cache-tokens", type=int, default=1 << 19)
@@ -186,7 +197,8 @@ def main() -> None:
             f"| {r['ttft_x_before']:.2f} | {r['long_prompts']} | {r['preemptions']} |"
         )
     note = (
-        f"{args.streams} streams kept running ({args.short_tokens}-token prompts, {args.short_output} tokens); one new "
+        f"{args.streams} streams kept running ({args.short_tokens}-token prompts, {args.short_output} tokens"
+        f"{', each output length drawn from 0.5x to 1.5x of it' if args.staggered_outputs else ''}); one new "
         f"request in {args.long_every} brings a {args.long_tokens}-token prompt. Budget {args.budgets[0]} holds a "
         "whole long prompt beside the decodes (as before chunked prefill); threshold: `long_prefill_token_threshold` "
         "(0: unpaced).\n\n"
