@@ -49,6 +49,7 @@ from workers.protocol import (
 )
 from workers.serving.engine import EngineStatus, LLMEngine
 from workers.serving.engine_config import EngineConfig
+from workers.serving.grammar import FILL_THREADS_ENV
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ CHILD_ENV_NAMES = frozenset(
         "XDG_CACHE_HOME",
         "GRAPHSERVE_CACHE",
         DEFAULT_MODEL_ENV,
+        FILL_THREADS_ENV,
         fault_injection.VARIABLE,
     }
 )
