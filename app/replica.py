@@ -173,10 +173,7 @@ class LLMReplica:
         asked = time.monotonic()
         # The engine process starts loading the configured model while the controller is asked
         # whether a swap put another in force (rare: then this child is discarded for one that loads it).
-        child = None
-        if self.config.tensor_parallel_size == 1:
-            child = EngineChild()
-            child.configure(engine_config(self.config))
+        child = EngineChild(engine_config(self.config)) if self.config.tensor_parallel_size == 1 else None
         try:
             target = await self._serving_model()
         except BaseException:

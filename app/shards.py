@@ -70,19 +70,17 @@ class LocalEngine:
         start_timeout_s: float,
         child: EngineChild | None = None,
     ) -> None:
-        """`child`: an engine process started ahead of this, told this config or none yet (one told
-        another is discarded); the tokenizer is read while the child loads the model."""
+        """`child`: an engine process started ahead of this (one started with another config is
+        discarded); the tokenizer is read while the child loads the model."""
         self.config = config
         self.budget = budget
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        if child is not None and child.config not in (None, config):
+        if child is not None and child.config != config:
             child.discard()
             child = None
-        child = child or EngineChild()
+        child = child or EngineChild(config)
         try:
-            if child.config is None:
-                child.configure(config)
             self.tokenizer = load_tokenizer(model_dir(config.model))
         except BaseException:
             child.discard()

@@ -116,12 +116,11 @@ def child_environment(parent: dict[str, str]) -> dict[str, str]:
 
 
 class EngineChild:
-    """An engine process started before it is told what to load. Its interpreter start and imports
-    (torch, the engine: seconds) then overlap what the replica does meanwhile (asking the controller
-    for the model to serve, reading the tokenizer). One not told within its life is ended by
-    `discard`, or exits by itself when this process goes away (EOF on its command pipe)."""
+    """An engine process told its config, not yet waited for: it imports torch and the engine and
+    loads the model while its parent does something else (a replica asks the controller what to
+    serve and reads the tokenizer). `discard` ends one that is not wanted after all."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         child_commands, commands = os.pipe()
         events, child_events = os.pipe()
         self.process = subprocess.Popen(
@@ -133,10 +132,6 @@ class EngineChild:
         os.close(child_events)
         self.commands = Connection(commands, readable=False)
         self.events = Connection(events, writable=False)
-        self.config: EngineConfig | None = None
-
-    def configure(self, config: EngineConfig) -> None:
-        """Tell the child what to load; it builds its engine from now on."""
         self.config = config
         self.commands.send(config)
 
@@ -159,13 +154,11 @@ class EngineProcess(StreamFront):
     ) -> None:
         """Return once the child's engine is READY (loaded, captured, verified), or raise what
         stopped it (a child not READY within start_timeout_s is killed). `child`: one started
-        earlier, told this config or not yet; None starts one now. on_exit is called from the
-        reader thread with the cause when the child stops without being told to."""
-        child = child or EngineChild()
-        if child.config is None:
-            child.configure(config)
-        elif child.config != config:
-            raise ValueError("the engine child was told another config")
+        earlier with this config; None starts one now. on_exit is called from the reader thread
+        with the cause when the child stops without being told to."""
+        child = child or EngineChild(config)
+        if child.config != config:
+            raise ValueError("the engine child was started with another config")
         self.process, self._commands, self._events = child.process, child.commands, child.events
         if not self._events.poll(start_timeout_s):
             self.process.kill()
@@ -297,11 +290,7 @@ def serve_engine(commands: Connection, events: Connection) -> None:
     the request limits, then step until told to stop or the parent goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then stops us
     try:
-        config = commands.recv()
-    except EOFError:  # started ahead (`EngineChild`) and never told what to load
-        return
-    try:
-        engine, tokenizer = LLMEngine.from_config(config)
+        engine, tokenizer = LLMEngine.from_config(commands.recv())
     except BaseException as e:
         send_frame(events, Failed(_portable(e)))
         return

@@ -287,11 +287,12 @@ class GraphRunner(CapturedBuckets):
             t0, graphs = time.perf_counter(), graphs_compiled()
             self.first_call_s = {}
             for bucket in buckets:
+                started = time.perf_counter()
                 self.model_runner.load(self._scratch_batch(bucket), bucket)
                 self.model_runner.step(bucket)
                 if stream:
                     torch.cuda.synchronize()
-                self.first_call_s[bucket] = time.perf_counter() - t0 - sum(self.first_call_s.values())
+                self.first_call_s[bucket] = time.perf_counter() - started
             with no_recompile():
                 for bucket in buckets:
                     self.model_runner.load(self._scratch_batch(bucket), bucket)
@@ -299,14 +300,15 @@ class GraphRunner(CapturedBuckets):
             if stream:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            t1 = time.perf_counter()
             if self.prefill_graphs is not None:  # eager pieces per prefill bucket: lazy init, no compile
                 self.prefill_graphs.warmup()
                 if stream:
                     torch.cuda.synchronize()
-            prefill_s = time.perf_counter() - t1
+            prefill_s = time.perf_counter() - t0 - seconds
+        self.phase_s["warmup"] = prefill_s + (0.0 if self.compiled else seconds)
         if self.compiled:
-            self.compile_s, self.graphs = seconds, graphs_compiled() - graphs
+            self.phase_s["compile"] = self.compile_s = seconds
+            self.graphs = graphs_compiled() - graphs
             slowest = sorted(self.first_call_s.items(), key=lambda kv: -kv[1])[:3]
             log.info(
                 "compiled the decode step for %d buckets: %d graphs, %.1f s (slowest first calls: %s)",
@@ -315,9 +317,6 @@ class GraphRunner(CapturedBuckets):
                 seconds,
                 ", ".join(f"bs {b} {s:.1f} s" for b, s in slowest),
             )
-        if self.compiled:
-            self.phase_s["compile"] = seconds
-        self.phase_s["warmup"] = prefill_s + (0.0 if self.compiled else seconds)
 
     @torch.inference_mode()
     def capture(self) -> None:
