@@ -45,3 +45,45 @@ async def test_a_failing_command_ends_only_its_request(tiny, monkeypatch):
         assert front._inflight == 0  # the failed request's place in the queue was given back
     finally:
         front.shutdown()
+
+
+def test_a_prefills_first_tokens_go_out_before_the_decode(tiny):
+    """A request admitted beside a running one gets its first token from the prefill, emitted
+    before the step's decode runs; the step's events are the rest, and the tokens are what the
+    engine gives when every event comes at the end of the step."""
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prompts = [[BOS, 5, 6, 7], [BOS, 9, 8]]
+
+    def run(early: bool) -> tuple[dict[str, list[int]], list[tuple[int, str, list[int], str | None]]]:
+        engine = new_engine(tiny, max_num_seqs=4)
+        decodes = 0
+        decode = engine._decode
+
+        def counted(*args) -> None:
+            nonlocal decodes
+            decodes += 1
+            decode(*args)
+
+        engine._decode = counted
+        log, tokens = [], {}
+
+        def record(events, where: str) -> None:
+            for e in events:
+                log.append((decodes, where, list(e.token_ids), e.finish_reason))
+                tokens.setdefault(e.request_id, []).extend(e.token_ids)
+
+        first = (lambda events: record(events, "first")) if early else None
+        engine.add_request(prompts[0], params, request_id="running")
+        record(engine.step(first), "step")
+        engine.add_request(prompts[1], params, request_id="new")
+        while engine.has_work():
+            record(engine.step(first), "step")
+        return tokens, log
+
+    plain, _ = run(early=False)
+    early, log = run(early=True)
+    assert early == plain
+    firsts = [(decodes, ids) for decodes, where, ids, _ in log if where == "first"]
+    assert firsts[0] == (0, plain["running"][:1])  # the first step's prefill, before any decode
+    assert firsts[1] == (1, plain["new"][:1])  # the new request's, before the second step's decode
+    assert sum(len(ids) for _, _, ids, _ in log) == 10  # nothing lost, nothing sent twice

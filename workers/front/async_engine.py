@@ -105,10 +105,12 @@ def run_step_loop(
                 return
             events += apply_contained(engine, command)
             command = receive(0.0)
-        if engine.has_work():
-            events += engine.step()
         if events:
             emit(events)
+        if engine.has_work():
+            events = engine.step(first_tokens=emit)  # a prefill's first tokens go out before the decode
+            if events:
+                emit(events)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -527,7 +527,12 @@ class LLMEngine:
             events[request_id] = TokenEvent(request_id, [], "error", error)
 
     @torch.inference_mode()
-    def step(self) -> list[TokenEvent]:
+    def step(self, first_tokens: Callable[[list[TokenEvent]], None] | None = None) -> list[TokenEvent]:
+        """One step: admissions, this step's prefill chunks, then a token for every running
+        sequence; the events of the step. With `first_tokens`, what the prefill produced (a new
+        request's first token, the end of one that wanted one token) goes out through it as soon
+        as it is sampled, before the decode is launched: a first token does not wait for the running
+        batch's step (which also gives it its second), and the events returned are the rest."""
         events: dict[str, TokenEvent] = {}
         if self._compiling:
             self._take_compiled(events)
@@ -539,6 +544,9 @@ class LLMEngine:
             start = time.perf_counter()
             self._prefill(self.scheduler.chunks, admitted, events)
             self.stats.record_busy("prefill", time.perf_counter() - start)
+            if first_tokens is not None and events:
+                first_tokens(list(events.values()))
+                events = {}
         if self.scheduler.running:
             self.scheduler.reserve_decode()  # may preempt the newest: they wait to be prefilled again
         batch = [s for s in self.scheduler.running.values() if not s.in_prefill]
