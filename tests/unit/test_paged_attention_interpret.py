@@ -160,3 +160,42 @@ def test_uniform_batches_get_the_swept_split_counts(items_per_kv_head, rows, len
     (132) shapes, each row gets the split count that was the fastest in the old per-row sweep."""
     _, row_chunks = run_plan(torch.full((rows,), length), None, WorkConfig(items_per_kv_head))
     assert row_chunks[:, 1].tolist() == [chunks] * rows
+
+
+@interpreted
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_short_prefill_over_a_cached_context_is_the_kernels(monkeypatch, window):
+    """A prefill call of few tokens over cached contexts, each token a row of the paged kernel (its
+    slot, length position + 1), equals the per-prompt SDPA over the context read back from the
+    pages: prompts of one token and of several, a prompt with no context beside them, contexts
+    across page boundaries, a GQA group of 4."""
+    from tests.kv_pages import assign_pages
+    from workers.kv import paged_attention, prefill_attention
+    from workers.kv.kv_cache import KVCache
+    from workers.kv.paged_attention import run_attention
+
+    config = WorkConfig(items_per_kv_head=6)
+    monkeypatch.setattr(prefill_attention, "paged_supported", lambda like, tokens, context: bool(context))
+    monkeypatch.setattr(paged_attention, "paged_decode_plan", lambda lengths, w, *_: run_plan(lengths, w, config))
+    monkeypatch.setattr(
+        paged_attention, "paged_decode", lambda q, k, v, t, s, *plan: run_attention(q, k, v, t, s, plan, config)
+    )
+    cache = KVCache(2, 96, 8, 4, 160, num_kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu")
+    assign_pages(cache)
+    g = torch.Generator().manual_seed(3)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    context_lens, seq_lens, slots = [37, 0, 90, 8], [5, 3, 1, 9], [2, 0, 3, 1]
+    token_slots = torch.tensor([s for s, n in zip(slots, seq_lens) for _ in range(n)])
+    positions = torch.tensor([c + i for c, n in zip(context_lens, seq_lens) for i in range(n)])
+    q = torch.randn(sum(seq_lens), 8, 64, generator=g)
+    layer = 1
+    attention = prefill_attention.PrefillAttention(cache, token_slots, positions, seq_lens, context_lens, window, q)
+    assert attention.plan is not None  # the paged path was taken
+    got = attention(layer, q, None, None)
+
+    key_slots = torch.tensor([s for s, c, n in zip(slots, context_lens, seq_lens) for _ in range(c + n)])
+    key_positions = torch.tensor([p for c, n in zip(context_lens, seq_lens) for p in range(c + n)])
+    k, v = cache.read(layer, cache.write_index(key_slots, key_positions))
+    want = prefill_attention.per_prompt_attention(q, k, v, seq_lens, window, context_lens)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -16,6 +16,12 @@ ones (`key_positions`). Query i of such a prompt sits at position context + i an
 there: the causal diagonal aligned to the keys' end. Flash attention's causal mask is aligned that
 way when queries and keys differ in length (what torch's `causal_lower_right` relies on); the SDPA
 path builds that mask itself (SDPA's own `is_causal` aligns to the start).
+
+A call of few new tokens over a long cached context (a short follow-up turn of a long chat) is a
+decode in all but name. Flash attention gives it one program per query head, walking every key in
+turn, after the context is gathered out of the pages; the paged decode kernel
+(`paged_attention.py`), every new token a row of length position + 1, spreads the keys over the
+SMs and reads them in place. `policies/cached_prefill.py` says when that pays, by measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from policies.cached_prefill import paged_prefill_pays
+from workers.kv import paged_attention
 from workers.kv.kv_cache import KVCache
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -126,16 +134,26 @@ def per_prompt_attention(
     return torch.cat(outs)
 
 
+def paged_supported(like: torch.Tensor, tokens: int, context_lens: list[int] | None) -> bool:
+    """Whether the paged decode kernel serves a call of `tokens` new tokens: it runs here, and
+    over these cached contexts it pays."""
+    return (
+        bool(context_lens) and like.is_cuda and paged_attention.available() and paged_prefill_pays(tokens, context_lens)
+    )
+
+
 class PrefillAttention:
     """One prefill's attention, set up once for all its layers: how its prompts are packed, and
     where a prompt with a cached context finds its keys (read back from its pages after each layer
-    writes its new ones). `slot_ids`: each token's slot; `like`: a tensor of the activations'
-    device and dtype, which decide whether one packed call can serve every prompt."""
+    writes its new ones, or read in place by the paged kernel). `slot_ids` and `positions`: each
+    token's slot and position; `like`: a tensor of the activations' device and dtype, which decide
+    whether one packed call can serve every prompt."""
 
     def __init__(
         self,
         cache: KVCache,
         slot_ids: torch.Tensor,
+        positions: torch.Tensor,
         seq_lens: list[int],
         context_lens: list[int] | None,
         window: int | None,
@@ -145,6 +163,13 @@ class PrefillAttention:
         self.seq_lens = seq_lens
         self.window = window
         self.context = context_lens if context_lens and any(context_lens) else None
+        self.slot_ids = slot_ids
+        self.plan = None
+        if paged_supported(like, len(slot_ids), self.context):
+            kv_heads, head_dim = cache.k.shape[-2:]
+            self.plan = paged_attention.paged_decode_plan(positions + 1, window, kv_heads, head_dim)
+            self.packed, self.prompts, self.keys_at = False, None, None
+            return
         self.packed = packed_supported(like, window)
         prompts = PackedPrompts(seq_lens, like.device, self.context) if self.packed or self.context else None
         self.prompts = prompts
@@ -153,6 +178,11 @@ class PrefillAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Layer's attention of the new tokens' q (tokens, heads, dim) over their own k/v (their
         cached context's too): (tokens, heads * dim)."""
+        if self.plan is not None:  # each token a decode row, over the pages the layer has just written
+            cache = self.cache
+            return paged_attention.paged_decode(
+                q, cache.k[layer], cache.v[layer], cache.block_table, self.slot_ids, *self.plan
+            )
         if self.keys_at is not None:  # this layer's new K/V are in the pages now, after the cached ones
             k, v = self.cache.read(layer, self.keys_at)
         if self.packed:

@@ -77,9 +77,10 @@ class PrefillPieces:
 
     def attention(self, batch: PrefillInputs) -> PrefillAttention:
         """The batch's attention, set up once for every layer (over its real tokens only)."""
-        slots = self.inputs[2, : len(batch.tokens)]
+        n = len(batch.tokens)
         window = self.model.cfg.sliding_window
-        return PrefillAttention(self.cache, slots, batch.lens, batch.context_lens, window, self.q)
+        positions, slots = self.inputs[1, :n], self.inputs[2, :n]
+        return PrefillAttention(self.cache, slots, positions, batch.lens, batch.context_lens, window, self.q)
 
     def attend(self, layer: int, attention: PrefillAttention, n: int) -> None:
         """Layer's attention for the first n (real) tokens, eager, into the static output."""

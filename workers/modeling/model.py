@@ -273,7 +273,7 @@ class LlamaModel(nn.Module):
         per prompt, the positions before its first token here, whose K/V its pages already hold (a
         cached prefix): its tokens attend to those too, read back from the cache."""
         h, cos, sin = self.embed_tokens(tokens, positions)
-        attention = PrefillAttention(cache, slot_ids, seq_lens, context_lens, self.cfg.sliding_window, h)
+        attention = PrefillAttention(cache, slot_ids, positions, seq_lens, context_lens, self.cfg.sliding_window, h)
         index = cache.write_index(slot_ids, positions)
         lora = self._lora_batch(adapters)
         for i in range(len(self.layers)):
