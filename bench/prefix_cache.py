@@ -9,8 +9,11 @@ request with nothing cached, and a multi-turn chat whose growing history is cach
    the history. Per turn: the prefix-cache hit rate (cached prompt tokens / prompt tokens) and the
    median TTFT, with caching on and off.
 
-TTFT is what the engine gives a client: from adding the request to the end of the engine step that
-produced its first token (that step also decodes the batch once). Random weights of real shapes
+TTFT is what the engine gives a client: from adding the request to the moment the step loop hands
+its first token out, right after the prefill that sampled it (before that step's decode).
+`--cached-attention flash` keeps flash attention for every prefill over a cached context, to
+compare with the paged kernel the engine picks for a few tokens over a long one
+(`policies/cached_prefill.py`). Random weights of real shapes
 (`1b`, `8b`; `tiny`: the embedded tiny model's shape), in-process, one GPU.
 
     python bench/prefix_cache.py --configs 1b 8b --out bench/results/prefix_cache_h200.json
@@ -31,6 +34,7 @@ import torch
 
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
+from workers.kv import prefill_attention
 from workers.modeling.checkpoint import load_model
 from workers.modeling.default_model import random_model, tiny_hf_config, write_checkpoint
 from workers.modeling.model import LlamaModel
@@ -66,18 +70,22 @@ def sync(engine: LLMEngine) -> None:
 
 
 def ttfts(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list]:
-    """Submit the prompts together and step to the end: each one's TTFT (ms) and its Sequence."""
+    """Submit the prompts together and step to the end: each one's TTFT (ms: when its first token
+    is handed out, as the step loop hands a prefill's first tokens out) and its Sequence."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     sync(engine)
     start = time.perf_counter()
     seqs = [engine.add_request(p, params) for p in prompts]
     first: dict[str, float] = {}
-    while engine.has_work():
-        events = engine.step()
+
+    def record(events: list) -> None:
         now = time.perf_counter()
         for e in events:
             if e.token_ids:
                 first.setdefault(e.request_id, (now - start) * 1e3)
+
+    while engine.has_work():
+        record(engine.step(record))
     return [first[s.request_id] for s in seqs], seqs
 
 
@@ -158,7 +166,7 @@ def markdown(meta: dict, rows: list[dict], turns: list[dict]) -> str:
         f"# Prefix caching: TTFT with a cached {meta['prefix_tokens']}-token prefix",
         "",
         f"{meta['device']}, torch {meta['torch']}; suffix {meta['suffix_tokens']} tokens, median of "
-        f"{meta['repeats']} pairs; page {meta['page_size']} tokens",
+        f"{meta['repeats']} pairs; page {meta['page_size']} tokens; cached attention: {meta['cached_attention']}",
         "",
         "| config | prefix tokens | TTFT cached (ms) | TTFT uncached (ms) | uncached / cached |",
         "|---|---|---|---|---|",
@@ -193,9 +201,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--conversations", type=int, default=10)
     ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument(
+        "--cached-attention",
+        choices=["rule", "flash"],
+        default="rule",
+        help="flash: never the paged kernel for a prefill over a cached context (the engine's rule picks otherwise)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.cached_attention == "flash":
+        prefill_attention.paged_prefill_pays = lambda tokens, context_lens: False
     rows, turns = [], []
     for name in args.configs:
         row, per_turn = run_config(name, args)
@@ -211,6 +227,7 @@ def main() -> None:
         "conversations": args.conversations,
         "turns": args.turns,
         "page_size": EngineConfig().kv_page_size,
+        "cached_attention": args.cached_attention,
     }
     write_report(args.out, {"meta": meta, "ttft": rows, "multi_turn": turns}, markdown(meta, rows, turns))
 
