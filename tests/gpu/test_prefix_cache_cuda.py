@@ -2,7 +2,8 @@
 one SDPA call per prompt with the context's mask does (bf16/fp16, with and without a sliding
 window); a model's prefill after cached pages gives a full prefill's logits (bf16, the packed
 path); and with captured decode graphs, requests that reuse cached pages decode exactly what they
-decode with caching off (the default model in fp32, greedy and seeded, also under page pressure)."""
+decode with caching off (the default model in fp32, greedy and seeded, also under page pressure,
+and short turns whose prefill attention runs on the paged decode kernel)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import dataclasses
 import pytest
 import torch
 
+from policies import cached_prefill
 from policies.graph_policy import GraphPolicy
+from workers.kv import prefill_attention
 from workers.kv.prefill_attention import PackedPrompts, packed_attention, packed_supported, per_prompt_attention
 from workers.modeling.checkpoint import load_model
 from workers.modeling.default_model import default_model_dir
@@ -67,10 +70,10 @@ def test_a_bf16_prefill_after_cached_pages_gives_a_full_prefills_logits():
     assert torch.equal(tail.argmax(-1), full.argmax(-1))
 
 
-def engine(caching: bool, **config) -> LLMEngine:
+def engine(caching: bool, max_model_len: int = 256, **config) -> LLMEngine:
     config = EngineConfig(
         max_num_seqs=8,
-        max_model_len=256,
+        max_model_len=max_model_len,
         device="cuda",
         graph_policy=GraphPolicy(compile=False),
         kv_page_size=PAGE,
@@ -114,6 +117,37 @@ def test_cached_requests_decode_with_graphs_what_uncached_ones_decode(pool):
     if pool is not None:
         assert status.kv_cache["preemptions"] > 0
     assert status.kv_cache["pages_free"] == status.kv_cache["pages"]
+
+
+def test_short_turns_on_the_paged_kernel_decode_what_uncached_ones_decode(monkeypatch):
+    """Follow-ups of 2 to 20 new tokens after a cached 600-token history, the rule's minimum context
+    lowered to 512 for the default model's 4,096 positions: their prefills' attention runs as rows
+    of the paged decode kernel, and they decode (fp32, greedy and seeded, graphs replaying) what
+    they decode with caching off; a 40-token turn stays on the other path."""
+    cached, uncached = engine(True, max_model_len=768), engine(False, max_model_len=768)
+    monkeypatch.setattr(cached_prefill, "PAGED_MIN_CONTEXT", 512)
+    picked = []  # the rule's answers from here on (not the engines' start-up prefills)
+    pays = prefill_attention.paged_prefill_pays
+
+    def recorded(tokens: int, context_lens: list[int]) -> bool:
+        picked.append(pays(tokens, context_lens))
+        return picked[-1]
+
+    monkeypatch.setattr(prefill_attention, "paged_prefill_pays", recorded)
+    g = torch.Generator().manual_seed(2)
+    history = torch.randint(0, 256, (600,), generator=g).tolist()
+    requests = [
+        (
+            history + torch.randint(0, 256, (n,), generator=g).tolist(),
+            SamplingParams(max_tokens=16, temperature=t, seed=n),
+        )
+        for n, t in [(2, 0.0), (9, 0.8), (20, 0.0), (40, 0.8)]
+    ]
+    got = [serve(cached, [r])[0] for r in requests]
+    want = [serve(uncached, [r])[0] for r in requests]
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    assert [s.cached_tokens for s in got] == [0, 592, 592, 592]  # 37 full pages of the first prompt
+    assert picked == [True, True, False]  # 8 + 2, 8 + 9 and 8 + 20 new tokens; not 8 + 40; no call uncached
 
 
 @pytest.mark.parametrize("budget", [7, 40])
