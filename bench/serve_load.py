@@ -14,7 +14,9 @@ unary level of C clients); their collapsed stacks and a summary of where each pr
 samples land beside the JSON.
 
 With --throughput-optimized, Ray runs with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` and the clients send
-to each ingress replica's own HTTP server (direct ingress), not to Serve's proxy.
+to each ingress replica's own HTTP server (direct ingress), not to Serve's proxy. With --haproxy,
+Ray also runs with `RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy takes port 8000 in place of Serve's
+Python proxy and forwards to the ingress replicas' own servers, and the clients send to port 8000.
 
     python bench/serve_load.py --config 1b --out bench/results/serve_load_h200.json
     python bench/serve_load.py --config tiny --device cpu --streams 64 --prompts short --out /tmp/smoke.json
@@ -425,10 +427,18 @@ def main() -> None:
         action="store_true",
         help="RAY_SERVE_THROUGHPUT_OPTIMIZED=1: clients talk to the ingress replicas' own HTTP servers, no proxy",
     )
+    ap.add_argument(
+        "--haproxy",
+        action="store_true",
+        help="RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_THROUGHPUT_OPTIMIZED=1: HAProxy on port 8000 forwards to the "
+        "ingress replicas' own HTTP servers",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.throughput_optimized:  # before Ray is imported: every Ray process reads it when it starts
+    if args.throughput_optimized or args.haproxy:  # before Ray is imported: every Ray process reads it at start
         os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+    if args.haproxy:
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
 
     from policies.graph_policy import GraphPolicy
     from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, tiny_hf_config, write_checkpoint
@@ -571,6 +581,7 @@ def main() -> None:
         "app_args": json.loads(args.app_args),
         "cpus": os.cpu_count(),
         "throughput_optimized": args.throughput_optimized,
+        "haproxy": args.haproxy,
     }
     result = {"meta": meta, "rows": rows, "unary_max_tokens_1": unary}
     if args.profile_streams or args.profile_unary:

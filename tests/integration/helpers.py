@@ -6,7 +6,8 @@ controller name of its own, and shuts Ray down afterwards. Secrets go into the e
 
 Run under Ray Serve's throughput-optimized mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1` in pytest's
 environment), the tests talk to the ingress replica's own HTTP server, as a client of that mode
-does, not to Serve's proxy."""
+does, not to Serve's proxy; with `RAY_SERVE_ENABLE_HA_PROXY=1` as well, to HAProxy on the usual
+port, which forwards to those servers."""
 
 from __future__ import annotations
 
@@ -262,7 +263,10 @@ def running_app(
                 # serve.run waits for every replica to finish __init__ (graph capture); the startup
                 # gate test needs the app reachable while its LLM replica is still starting.
                 serve._run(application, name=f"graphserve-{name}", _blocking=False)
-            if os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1":
+            if (
+                os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
+                and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1"
+            ):
                 port = direct_ingress_port(f"graphserve-{name}")
             model = app_args.get("served_model_name") or "tiny-llama-v1"
             server = Server(port=port, args=app_args, admin_token=admin_token, model=model)
