@@ -106,6 +106,16 @@ def test_worker_readiness_means_capture_complete(docs):
             assert container[probe]["httpGet"] == {"path": "/healthz", "port": "serve"}, probe
 
 
+def test_every_ray_container_runs_serve_behind_haproxy(docs):
+    """HAProxy on port 8000 and the replicas' own HTTP servers are environment that every Ray
+    process reads when it starts: a container without it would run the Python proxy beside
+    HAProxy's nodes, or replicas that serve no HTTP for HAProxy to reach."""
+    for node_type, group in m.groups(docs):
+        env = {e["name"]: e.get("value") for e in m.ray_container(group).get("env", [])}
+        assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", node_type
+        assert env.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1", node_type
+
+
 def test_workers_outlive_the_initializing_timeout(docs):
     """Workers are not restarted for a slow start before KubeRay declares the RayService failed."""
     timeout = m.go_duration_s(m.rayservice(docs)["metadata"]["annotations"][INIT_TIMEOUT])
