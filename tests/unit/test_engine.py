@@ -80,8 +80,8 @@ def slow_steps(monkeypatch, engine: LLMEngine, seconds: float = 0.02) -> None:
     """Make each engine step take a while, so a request is still running when a test acts on it."""
     step = engine.step
 
-    def slow():
-        events = step()
+    def slow(first_tokens=None):
+        events = step(first_tokens)
         time.sleep(seconds)
         return events
 
@@ -474,7 +474,7 @@ async def test_engine_loop_failure_fails_streams_and_submit(tiny, start, monkeyp
     engine = new_engine(tiny, max_num_seqs=2)
     all_submitted = threading.Event()
 
-    def failing_step():
+    def failing_step(first_tokens=None):
         all_submitted.wait(5)  # fail only once every request is in, so each has a stream to fail
         raise RuntimeError("boom")
 
