@@ -2,7 +2,7 @@
 file and prompt kind (needs matplotlib: the `bench` extra).
 
 python bench/plot_serve_load.py bench/results/serve_load_h200.png bench/results/serve_load_baseline_h200.json \
-    bench/results/serve_load_h200.json
+    bench/results/serve_load_proxy_h200.json bench/results/serve_load_h200.json
 """
 
 import json

@@ -1,6 +1,7 @@
 """What a client gets against what the engine makes, in one run: the engine alone (in-process, the
-same config) and the Serve app through the real `openai` client, at fixed concurrency levels and
-at Poisson arrival rates, with short and long prompts. Metrics are named as `vllm bench serve`
+same config) and the Serve app through the real `openai` client (in `--client-processes` processes
+that start together, `bench/openai_load.py`: one is saturated by a few hundred streams), at fixed
+concurrency levels and at Poisson arrival rates, with short and long prompts. Metrics are named as `vllm bench serve`
 names them: TTFT, TPOT, ITL and E2E latency (mean, median, p99, in ms), request throughput and
 output token throughput. ITL is the gap between two streamed chunks (a chunk may carry several
 tokens: the replica coalesces a stream's tokens).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -42,11 +44,13 @@ from pathlib import Path
 
 import torch
 
+from bench.openai_load import run_streams
 from bench.report import write_report
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the dog, who had seen it all, sighed. " * 20
 PROMPTS = {"short": TEXT[:130], "long": TEXT[:1500]}  # the byte tokenizer: a token per byte (plus BOS)
 IDLE_BEFORE_ROUND_S = 2.0
+DEFAULT_CLIENT_PROCESSES = max(1, min(8, (os.cpu_count() or 2) // 2))  # a client process saturates: openai_load.py
 ADMIN = "bench-admin"
 PROCESS_TITLES = {"ingress": "Ingress", "replica": "LLMReplica", "proxy": "ProxyActor"}
 
@@ -130,60 +134,6 @@ def engine_level(engine, prompt_ids: list[int], offsets: list[float], max_tokens
         tpot = (seq.last_token_time - seq.first_token_time) / (n - 1) if n > 1 else None
         rows.append({"ttft": seq.first_token_time - at, "tpot": tpot, "e2e": seq.last_token_time - at, "tokens": n})
     return summary(rows, wall)
-
-
-async def one_stream(client, model: str, prompt: str, max_tokens: int, delay: float) -> dict:
-    await asyncio.sleep(delay)
-    start = time.perf_counter()
-    chunks, tokens = [], 0
-    stream = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        if chunk.choices:
-            chunks.append(time.perf_counter())
-        if chunk.usage:
-            tokens = chunk.usage.completion_tokens
-    end = time.perf_counter()
-    first, last = chunks[0], chunks[-1]
-    return {
-        "ttft": first - start,
-        "tpot": (last - first) / (tokens - 1) if tokens > 1 else None,
-        "itl": [b - a for a, b in zip(chunks, chunks[1:])],
-        "e2e": end - start,
-        "tokens": tokens,
-        "chunks": len(chunks),
-    }
-
-
-async def served_level(
-    base_urls: list[str], model: str, prompt: str, offsets: list[float], max_tokens: int, on_start=lambda: None
-) -> dict:
-    """The same arrivals through the app, from clients whose connections are open (a warm-up
-    first), one per base URL, streams spread round-robin; on_start() runs as the measured round starts."""
-    import openai
-
-    clients = [
-        openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) for url in base_urls
-    ]
-    pick = lambda i: clients[i % len(clients)]  # noqa: E731
-    warm = min(len(offsets), 64)
-    await asyncio.gather(*[one_stream(pick(i), model, prompt, 4, 0.0) for i in range(warm)])
-    await asyncio.sleep(IDLE_BEFORE_ROUND_S)
-    on_start()
-    t0 = time.perf_counter()
-    rows = await asyncio.gather(*[one_stream(pick(i), model, prompt, max_tokens, d) for i, d in enumerate(offsets)])
-    result = summary(list(rows), time.perf_counter() - t0)
-    result["chunks_per_request"] = statistics.median(r["chunks"] for r in rows)
-    for client in clients:
-        await client.close()
-    return result
 
 
 async def unary_level(base_urls: list[str], model: str, concurrency: int, seconds: float) -> dict:
@@ -368,7 +318,8 @@ def cpu_sampler(stop: threading.Event, samples: list[dict]) -> None:
 def table(rows: list[dict]) -> str:
     head = (
         "| shape | prompt | streams / rate | engine tok/s | served tok/s | ratio | TPOT engine / served ms | "
-        "TPOT ratio | TTFT p50 / p99 ms | ITL p99 ms | chunks per request |\n|" + "---|" * 11
+        "TPOT ratio | TTFT p50 / p99 ms | ITL p99 ms | chunks per request | client processes (CPU ms per request) "
+        "|\n|" + "---|" * 12
     )
     lines = [head]
     for r in rows:
@@ -377,7 +328,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['model_shape']} | {r['prompt']} | {level} | {r['engine_tok_s']:,.0f} | "
             f"{r['served_tok_s']:,.0f} | {r['ratio']:.2f} | {r['engine_tpot_ms']:.2f} / "
             f"{r['served_tpot_ms']:.2f} | {r['tpot_ratio']:.2f} | {r['ttft_ms_p50']:.0f} / "
-            f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p99']:.1f} | {r['chunks_per_request']:.0f} |"
+            f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p99']:.1f} | {r['chunks_per_request']:.0f} | "
+            f"{r['client_processes']} ({r['client_cpu_ms_per_request']:.1f}) |"
         )
     return "\n".join(lines)
 
@@ -432,6 +384,13 @@ def main() -> None:
         action="store_true",
         help="RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_THROUGHPUT_OPTIMIZED=1: HAProxy on port 8000 forwards to the "
         "ingress replicas' own HTTP servers",
+    )
+    ap.add_argument(
+        "--client-processes",
+        nargs="+",
+        type=int,
+        default=[DEFAULT_CLIENT_PROCESSES],
+        help="processes of openai clients the streams are spread over (several: one row per count)",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -511,27 +470,34 @@ def main() -> None:
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, cpu = [], {}
-    for prompt, streams, rate in levels:
-        profiling = args.profile_streams == streams and rate is None and prompt == "short"
+    for (prompt, streams, rate), processes in itertools.product(levels, args.client_processes):
+        profiling = (
+            args.profile_streams == streams
+            and rate is None
+            and prompt == "short"
+            and processes == args.client_processes[0]
+        )
         samples, stop = [], threading.Event()
         sampler = threading.Thread(target=cpu_sampler, args=(stop, samples), daemon=True)
         sampler.start()
         spies = []
-        served = asyncio.run(
-            served_level(
-                urls,
-                model_dir.name,
-                PROMPTS[prompt],
-                arrivals(streams, rate),
-                args.max_tokens,
-                on_start=(lambda spies=spies: spies.extend(profile(out_dir, 6))) if profiling else (lambda: None),
-            )
+        per_request, wall, client_cpu_s = run_streams(
+            urls,
+            model_dir.name,
+            PROMPTS[prompt],
+            arrivals(streams, rate),
+            args.max_tokens,
+            processes,
+            IDLE_BEFORE_ROUND_S,
+            on_start=(lambda spies=spies: spies.extend(profile(out_dir, 6))) if profiling else (lambda: None),
         )
+        served = summary(per_request, wall)
+        served["chunks_per_request"] = statistics.median(r["chunks"] for r in per_request)
         stop.set()
         stop_profile(spies)
         peak = {role: max(s[role] for s in samples) for role in samples[0]} if samples else {}
         mean = {role: statistics.fmean(s[role] for s in samples) for role in samples[0]} if samples else {}
-        cpu[f"{prompt}-{streams}-{rate}"] = {"peak": peak, "mean": mean}
+        cpu[f"{prompt}-{streams}-{rate}-{processes}"] = {"peak": peak, "mean": mean}
         e = alone[(prompt, streams, rate)]
         row = {
             "model_shape": args.config,
@@ -550,7 +516,9 @@ def main() -> None:
             "chunks_per_request": served["chunks_per_request"],
             "engine": e,
             "served": served,
-            "cpu_percent": cpu[f"{prompt}-{streams}-{rate}"],
+            "cpu_percent": cpu[f"{prompt}-{streams}-{rate}-{processes}"],
+            "client_processes": processes,
+            "client_cpu_ms_per_request": client_cpu_s * 1e3 / len(per_request),
         }
         if rate is not None:
             row["request_rate"] = rate
