@@ -29,6 +29,7 @@ class TenantConfig(BaseModel):
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DEPLOYMENT_SCOPE = re.compile(r"[^A-Za-z0-9._-]")  # what may not stand in an actor or file name
 STATE_DIR = Path.home() / ".cache" / "graphserve" / "controller-state"
+GPU_PREFILL_DELAY_MS = 8.0  # bench/results/prefill_waves_h200.md
 
 
 class LoraConfig(BaseModel):
@@ -170,6 +171,17 @@ class AppConfig(BaseModel):
         "prompt adds to running streams, but that prompt's own TTFT grows (its prefill takes more steps, each "
         "paying the decodes too); a step still carries several such chunks when several long prompts are in. "
         "0: off, a prompt takes what the budget leaves",
+    )
+    max_prefill_delay_ms: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="prompts that arrive while other sequences decode wait up to this long to be prefilled "
+        "together: one prefill call, so one stall of the running streams, instead of one per arrival. Nothing "
+        "waits when no sequence decodes, when a prefill runs in that step anyway, or once the waiting prompts "
+        "fill `max_num_batched_tokens`. Adds up to this much to those requests' time to first token. 0: prefill "
+        "each step whatever has arrived; null: 8 on GPU (measured: bench/results/prefill_waves_h200.md), 0 on "
+        "CPU, where a step takes longer than that",
     )
     enable_prefix_caching: bool = Field(
         True,
@@ -313,11 +325,13 @@ class AppConfig(BaseModel):
         return cls.model_validate(args or {})
 
     def on_device(self, gpu: bool) -> AppConfig:
-        """This config with what depends on the accelerator resolved: the accelerator itself and
-        the batch limit."""
+        """This config with what depends on the accelerator resolved: the accelerator itself, the
+        batch limit and the prefill delay."""
         update: dict[str, Any] = {"accelerator": "gpu" if gpu else "cpu"}
         if self.max_num_seqs is None:
             update["max_num_seqs"] = 256 if gpu else 32
+        if self.max_prefill_delay_ms is None:
+            update["max_prefill_delay_ms"] = GPU_PREFILL_DELAY_MS if gpu else 0.0
         return self.model_copy(update=update)
 
     def served_name(self) -> str:

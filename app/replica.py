@@ -78,6 +78,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_batched_tokens=config.max_num_batched_tokens,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
+        max_prefill_delay_ms=config.max_prefill_delay_ms or 0.0,
         graph_policy=config.graph_policy(),
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank, tuple(config.lora.target_modules))
         if config.lora

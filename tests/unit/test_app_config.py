@@ -23,6 +23,18 @@ def test_the_shipped_serve_config_is_a_valid_app_config():
     assert config.on_device(gpu=True).accelerator == "gpu" and config.attention_backend == "auto"
 
 
+def test_the_prefill_delay_follows_the_accelerator_unless_set():
+    """Gathering arrivals pays on a GPU, where a step is shorter than the delay (prefill_waves_h200.md)."""
+    assert AppConfig().on_device(gpu=True).max_prefill_delay_ms == 8.0
+    assert AppConfig().on_device(gpu=False).max_prefill_delay_ms == 0.0
+    set_to = AppConfig.from_args({"max_prefill_delay_ms": 3})
+    assert (
+        set_to.on_device(gpu=True).max_prefill_delay_ms == 3 and set_to.on_device(gpu=False).max_prefill_delay_ms == 3
+    )
+    with pytest.raises(ValidationError, match="max_prefill_delay_ms"):
+        AppConfig.from_args({"max_prefill_delay_ms": -1})
+
+
 def test_unknown_and_invalid_fields_are_named():
     with pytest.raises(ValidationError, match="max_num_sequences"):
         AppConfig.from_args({"max_num_sequences": 4})

@@ -211,6 +211,7 @@ class LLMEngine:
             blocks=BlockManager(self.cache.num_pages, self.cache.page_size, reserved=1),
             prefix_caching=config.enable_prefix_caching,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_prefill_delay_s=config.max_prefill_delay_ms / 1e3,
         )
         self.stats = EngineStats(revision, model.attention_backend.name)
         self.sampler = BatchSampler(self.cache.num_slots, model.cfg.vocab_size, self.device)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from policies.dispatch import FallbackReason
 from policies.kv_blocks import BlockManager
 from policies.prefill_pacing import chunk_tokens
+from policies.prefill_waves import wave_due
 from policies.prefix_hash import page_hashes
 from workers.serving.sampling import InvalidRequest, SamplingParams
 
@@ -151,10 +152,13 @@ class Scheduler:
         blocks: BlockManager | None = None,
         prefix_caching: bool = False,
         long_prefill_token_threshold: int = 0,
+        max_prefill_delay_s: float = 0.0,
     ) -> None:
         """Without `blocks`, a pool of 16-token pages that holds every slot at max_model_len.
         `prefix_caching`: reuse cached full pages of a prompt's prefix. `long_prefill_token_threshold`:
-        the most prompt tokens one sequence prefills in a step; 0: as many as the budget leaves."""
+        the most prompt tokens one sequence prefills in a step; 0: as many as the budget leaves.
+        `max_prefill_delay_s`: how long prompts arriving while others decode may wait to be
+        prefilled together (`policies/prefill_waves.py`); 0: never."""
         self.blocks = blocks or BlockManager(1 + max_num_seqs * -(-max_model_len // 16), 16)
         if self.blocks.capacity_tokens < max_model_len:
             raise ValueError(
@@ -171,6 +175,9 @@ class Scheduler:
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        if max_prefill_delay_s < 0:
+            raise ValueError(f"max_prefill_delay_s must be >= 0, got {max_prefill_delay_s}")
+        self.max_prefill_delay_s = max_prefill_delay_s
         self.prefix_caching = prefix_caching
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest first
         self.waiting: deque[Sequence] = deque()
@@ -190,7 +197,7 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_waiting={self.max_waiting})")
         self.waiting.append(seq)
 
-    def admit(self, ready: Callable[[Sequence], bool] = lambda seq: True) -> list[Sequence]:
+    def admit(self, ready: Callable[[Sequence], bool] = lambda seq: True, now: float | None = None) -> list[Sequence]:
         """Plan this step's prefill (`chunks`, each from its prefill_start to its prefill_end) within
         the token budget: the chunks of sequences partly prefilled go on first, then waiting
         sequences move into free slots, first come first served, while the pool has pages for them
@@ -199,7 +206,9 @@ class Scheduler:
         `long_prefill_token_threshold` set no chunk is longer, and what a long prompt leaves of the
         budget goes to those behind it. At least one page's worth of prompt (or the threshold, if
         smaller) goes in every step, however many decode. `ready(seq)` may hold the queue's head
-        back (its LoRA adapter has no slot yet) or end it (`finish`) before it runs. Returns the
+        back (its LoRA adapter has no slot yet) or end it (`finish`) before it runs. While others
+        decode, waiting prompts may be held back to be prefilled together (`max_prefill_delay_s`;
+        `now`: the monotonic time, default the clock's). Returns the
         sequences admitted now. The caller prefills every chunk in this step (the full pages they
         write are cached from now on); a sequence whose last chunk it is samples its first token
         and decodes in this step too."""
@@ -215,6 +224,8 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._plan_chunk(seq, budget)
+        if self.waiting and self.max_prefill_delay_s and not self._wave_due(decoding, budget, now):
+            return admitted
         reserve = sum(self.blocks.needs_page(s.request_id) for s in self.running.values() if not s.in_prefill)
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
@@ -239,6 +250,11 @@ class Scheduler:
             self.running[seq.request_id] = seq
             admitted.append(seq)
         return admitted
+
+    def _wave_due(self, decoding: int, budget: int, now: float | None) -> bool:
+        waited = (time.monotonic() if now is None else now) - self.waiting[0].arrival_time
+        waiting_tokens = sum(s.length for s in self.waiting)
+        return wave_due(decoding, bool(self.chunks), waited, waiting_tokens, budget, self.max_prefill_delay_s)
 
     def _plan_chunk(self, seq: Sequence, budget: int) -> int:
         """Give seq this step's chunk: as much of its prompt as `budget` and the pacing threshold
