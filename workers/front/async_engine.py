@@ -242,26 +242,25 @@ class StreamFront(ABC):
     @staticmethod
     def _merge(item: TokenEvent | BaseException, events: asyncio.Queue) -> TokenEvent:
         """This event and every one already queued behind it, as one: a consumer that reads less
-        often than the engine steps detokenizes and yields once per read, not once per step."""
-        while True:
-            if isinstance(item, BaseException):
-                raise item
-            if item.finish_reason is not None or events.empty():
-                return item
-            following = events.get_nowait()
-            if isinstance(following, BaseException):
-                raise following
-            logprobs = None  # an abort's event has none even where the request's other events have
-            if item.logprobs is not None or following.logprobs is not None:
-                logprobs = (item.logprobs or []) + (following.logprobs or [])
-            cached = item.cached_tokens if following.cached_tokens is None else following.cached_tokens
-            item = TokenEvent(
-                item.request_id,
-                item.token_ids + following.token_ids,
-                following.finish_reason,
-                logprobs=logprobs,
-                cached_tokens=cached,
-            )
+        often than the engine steps detokenizes and yields once per read, not once per step. One
+        pass, one new event, however many were queued."""
+        if isinstance(item, BaseException):
+            raise item
+        if item.finish_reason is not None or events.empty():
+            return item
+        token_ids = list(item.token_ids)
+        logprobs = None if item.logprobs is None else list(item.logprobs)
+        cached, last = item.cached_tokens, item
+        while last.finish_reason is None and not events.empty():
+            last = events.get_nowait()
+            if isinstance(last, BaseException):
+                raise last
+            token_ids += last.token_ids
+            if last.logprobs is not None or logprobs is not None:  # an abort's event has none
+                logprobs = logprobs if logprobs is not None else []
+                logprobs += last.logprobs or []
+            cached = cached if last.cached_tokens is None else last.cached_tokens
+        return TokenEvent(item.request_id, token_ids, last.finish_reason, logprobs=logprobs, cached_tokens=cached)
 
     def _emit(self, events: list[TokenEvent]) -> None:
         """From the step loop's side: hand one step's events to the event loop."""

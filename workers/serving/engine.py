@@ -83,7 +83,7 @@ class EngineStatus:
         return out
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     """New tokens of one request from one engine step; finish_reason is set on its last event,
     and error too when the request failed (its stream raises it). logprobs, for a request that
