@@ -28,7 +28,8 @@ WARM_STREAMS = 16  # per process: opens its connections before the measured roun
 
 
 async def one_stream(client, model: str, prompt: str, max_tokens: int, start_at: float) -> dict:
-    """One streamed completion arriving at `start_at` (monotonic): its times, absolute."""
+    """One streamed completion arriving at `start_at` (monotonic): its times (`end` and `first`
+    absolute; ttft and tpot None when no chunk carried a choice)."""
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     start = time.monotonic()
     chunks, tokens = [], 0
@@ -47,10 +48,11 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, start_at:
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
     end = time.monotonic()
-    first, last = chunks[0], chunks[-1]
+    first, last = (chunks[0], chunks[-1]) if chunks else (None, None)
     return {
-        "ttft": first - start,
-        "tpot": (last - first) / (tokens - 1) if tokens > 1 else None,
+        "ttft": first - start if chunks else None,
+        "tpot": (last - first) / (tokens - 1) if tokens > 1 and last > first else None,
+        "first": first,
         "itl": [b - a for a, b in zip(chunks, chunks[1:])],
         "e2e": end - start,
         "tokens": tokens,

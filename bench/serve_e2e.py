@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from bench.openai_load import one_stream
+
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 # Before every measured round, served or not: replicas report every second, and both sides then
 # start from the same idle GPU and CPU (an idle device takes a few ms to clock up).
@@ -99,51 +101,29 @@ def engine_alone(model_dir: str, streams: int, max_tokens: int, max_model_len: i
     return result
 
 
-async def one_stream(client, model: str, max_tokens: int) -> tuple[float, float, int]:
-    first = last = None
-    tokens = 0
-    stream = await client.completions.create(
-        model=model,
-        prompt=PROMPT,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices:  # random weights: most tokens are outside the byte vocabulary and decode to ""
-            first = first or now
-            last = now
-        if chunk.usage:
-            tokens = chunk.usage.completion_tokens
-    return first, last, tokens
-
-
 async def serve_level(base_url: str, model: str, streams: int, max_tokens: int) -> dict:
     """`streams` concurrent streams from one client whose connections are already open (a warm-up
     round first, as any long-lived client has), and the replica's own counters over the level."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-    await asyncio.gather(*[one_stream(client, model, 8) for _ in range(streams)])
+    await asyncio.gather(*[one_stream(client, model, PROMPT, 8, 0.0) for _ in range(streams)])
     await asyncio.sleep(IDLE_BEFORE_ROUND_S)
     before = engine_counters()
-    t0, t0_wall = time.perf_counter(), time.time()
-    results = await asyncio.gather(*[one_stream(client, model, max_tokens) for _ in range(streams)])
-    wall = time.perf_counter() - t0
+    t0, t0_wall = time.monotonic(), time.time()
+    results = await asyncio.gather(*[one_stream(client, model, PROMPT, max_tokens, 0.0) for _ in range(streams)])
+    wall = time.monotonic() - t0
     await asyncio.sleep(IDLE_BEFORE_ROUND_S)
     stages = stage_starts(t0_wall, t0_wall + wall)
     # The replica's own steps and busy time: did the engine itself slow down (more prefill steps,
     # a slower step) or did the time go in transport?
     steps = difference(engine_counters(), before)
-    tpots = [(last - first) / (n - 1) for first, last, n in results if n > 1 and last > first]
-    first_ms = sorted((first - t0) * 1e3 for first, _, _ in results)
+    tpots = [r["tpot"] for r in results if r["tpot"] is not None]
+    first_ms = sorted((r["first"] - t0) * 1e3 for r in results if r["first"] is not None)
     return dict(
         tpot_ms=statistics.median(tpots) * 1e3,
-        tokens_per_s=sum(n for _, _, n in results) / wall,
-        completion_tokens=[n for _, _, n in results],
+        tokens_per_s=sum(r["tokens"] for r in results) / wall,
+        completion_tokens=[r["tokens"] for r in results],
         wall_s=wall,
         steps=steps,
         first_chunk_ms=dict(min=first_ms[0], median=first_ms[len(first_ms) // 2], max=first_ms[-1]),
