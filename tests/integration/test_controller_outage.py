@@ -48,7 +48,12 @@ def server(tmp_path_factory):
 
 
 def llm_handle():
-    return serve.get_deployment_handle("LLMReplica", app_name=f"graphserve-{APP}")
+    """A handle this (synchronous) test can call: under Serve's throughput-optimized mode a
+    handle's router runs in its caller's event loop unless told otherwise, and a test has none."""
+    handle = serve.get_deployment_handle("LLMReplica", app_name=f"graphserve-{APP}")  # one per app, cached
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=True)
+    return handle
 
 
 def generate(tenant: str) -> list[Item]:
