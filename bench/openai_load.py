@@ -95,8 +95,8 @@ def run_streams(
     on_start: Callable[[], None] = lambda: None,
 ) -> tuple[list[dict], float, float]:
     """Stream i arrives at offset i (s) after a common start, through urls[i % len(urls)], from
-    process i % processes. Returns every stream's times, the round's wall time (start to the last
-    stream's end) and the client processes' CPU seconds. `idle_s`: the server idles this long
+    process i % processes. Returns every stream's times (in the order of `offsets`), the round's wall
+    time (start to the last stream's end) and the client processes' CPU seconds. `idle_s`: the server idles this long
     between the warm-up and the round; `on_start` runs at the start."""
     shares = [[] for _ in range(min(processes, len(offsets)))]
     for i, offset in enumerate(offsets):
@@ -136,7 +136,7 @@ def run_streams(
         for child in children:
             child.stdin.close()
             child.wait(timeout=60)
-    rows = [row for r in results for row in r["rows"]]
+    rows = [results[i % len(shares)]["rows"][i // len(shares)] for i in range(len(offsets))]
     wall = max(row["end"] for row in rows) - start_at
     return rows, wall, sum(r["cpu_s"] for r in results)
 
