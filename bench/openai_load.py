@@ -95,9 +95,9 @@ def run_streams(
     on_start: Callable[[], None] = lambda: None,
 ) -> tuple[list[dict], float, float]:
     """Stream i arrives at offset i (s) after a common start, through urls[i % len(urls)], from
-    process i % processes. Returns every stream's times (in the order of `offsets`), the round's wall
-    time (start to the last stream's end) and the client processes' CPU seconds. `idle_s`: the server idles this long
-    between the warm-up and the round; `on_start` runs at the start."""
+    process i % processes. Returns every stream's times (in the order of `offsets`), the round's
+    wall time (start to the last stream's end) and the client processes' CPU seconds. `idle_s`:
+    the server idles this long between the warm-up and the round; `on_start` runs at the start."""
     shares = [[] for _ in range(min(processes, len(offsets)))]
     for i, offset in enumerate(offsets):
         shares[i % len(shares)].append((urls[i % len(urls)], offset))

@@ -1,10 +1,10 @@
 """What a client gets against what the engine makes, in one run: the engine alone (in-process, the
 same config) and the Serve app through the real `openai` client (in `--client-processes` processes
 that start together, `bench/openai_load.py`: one is saturated by a few hundred streams), at fixed
-concurrency levels and at Poisson arrival rates, with short and long prompts. Metrics are named as `vllm bench serve`
-names them: TTFT, TPOT, ITL and E2E latency (mean, median, p99, in ms), request throughput and
-output token throughput. ITL is the gap between two streamed chunks (a chunk may carry several
-tokens: the replica coalesces a stream's tokens).
+concurrency levels and at Poisson arrival rates, with short and long prompts. Metrics are named as
+`vllm bench serve` names them: TTFT, TPOT, ITL and E2E latency (mean, median, p99, in ms), request
+throughput and output token throughput. ITL is the gap between two streamed chunks (a chunk may
+carry several tokens: the replica coalesces a stream's tokens).
 
 With --unary-levels, the knee of non-streamed `max_tokens: 1` requests: requests/s and latency at
 each number of concurrent clients, and the CPU each serving process spends per request.

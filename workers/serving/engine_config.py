@@ -21,9 +21,7 @@ class EngineConfig:
     max_waiting: int = 1024
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # most prompt tokens a sequence prefills a step; 0: off (`prefill_pacing.py`)
-    max_prefill_delay_ms: float = (
-        0.0  # prompts arriving while others decode wait this long to go together (`prefill_waves.py`)
-    )
+    max_prefill_delay_ms: float = 0.0  # arrivals wait this long to be prefilled together (`prefill_waves.py`)
     device: str = "auto"  # auto = cuda when present
     dtype: str | None = None  # None = the checkpoint's
     attention_backend: str = "auto"  # auto = triton on CUDA, sdpa elsewhere (`attention.py`)
