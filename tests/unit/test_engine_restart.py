@@ -147,7 +147,7 @@ def test_child_environment_keeps_no_secret(tiny, monkeypatch):
         "MY_SERVICE_PASSWORD",
     )
     secrets = {name: f"s3cret-{i}-do-not-leak" for i, name in enumerate(names)}
-    kept = {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1", "HF_HOME": "/tmp/hf", "GRAPHSERVE_MASK_THREADS": "2"}
+    kept = {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1", "HF_HOME": "/tmp/hf"}
     for name, value in {**secrets, **kept}.items():
         monkeypatch.setenv(name, value)
     env = child_environment(dict(os.environ))

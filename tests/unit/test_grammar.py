@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from workers.modeling.default_model import build_byte_tokenizer
-from workers.serving.batch_sampler import BatchSampler
+from workers.serving.batch_sampler import AHEAD_MIN_ROWS, BatchSampler
 from workers.serving.grammar import (
     JSON_OBJECT,
     GrammarCompiler,
@@ -202,18 +202,6 @@ def test_each_sequence_gets_a_grammar_of_its_own(compiler):
     assert texts(allowed(two)) == {"{"}
 
 
-def test_the_thread_pool_fills_the_same_masks_as_one_row_after_another(compiler):
-    grammars = [person(compiler) for _ in range(9)]
-    for n, grammar in enumerate(grammars):
-        grammar.replay(ids(DOCUMENT)[: 4 * n])
-    serial, pooled = MaskFiller(threads=1), MaskFiller(threads=2)
-    a = torch.zeros(len(grammars), grammars[0].words, dtype=torch.int32)
-    b = torch.zeros_like(a)
-    serial.fill(grammars, a)
-    pooled.fill(grammars, b)
-    assert torch.equal(a, b)
-
-
 # -- the sampler applying the masks --------------------------------------------------------------
 
 
@@ -337,7 +325,7 @@ def test_a_fill_ahead_in_the_fillers_thread_fills_what_a_fill_now_does(compiler)
     for n, grammar in enumerate(grammars):
         grammar.replay(ids(DOCUMENT)[: 5 * n])
     rows = [4, 0, 6, 2, 1]
-    now, ahead = MaskFiller(threads=1), MaskFiller(threads=2)
+    now, ahead = MaskFiller(), MaskFiller()
     a = torch.zeros(8, grammars[0].words, dtype=torch.int32)
     b = torch.zeros_like(a)
     now.fill(grammars, a, rows)
@@ -348,7 +336,7 @@ def test_a_fill_ahead_in_the_fillers_thread_fills_what_a_fill_now_does(compiler)
 
 def test_a_fill_ahead_that_fails_raises_where_it_is_waited_for(compiler):
     grammar = person(compiler)
-    filler = MaskFiller(threads=1)
+    filler = MaskFiller()
     filler.start([(grammar.matcher, 0)], torch.zeros(1, grammar.words + 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="Invalid buffer size"):
         filler.wait()
@@ -373,12 +361,13 @@ def test_a_fill_ahead_is_used_where_its_sequence_has_not_moved_and_redone_where_
 
     def check(seqs):
         sampler.settle()  # the reference reads the grammars: not while the fill ahead holds them
+        sampler.admit(seqs)  # penalized rows: the history of their tokens so far, as the reference's
         logits = torch.randn(len(seqs), WIDTH, generator=gen) * 3
         free = batch(compiler, free_sampler, [False] * len(seqs))
         expected = free_sampler.sample(masked_beforehand(logits, seqs), free)
         assert sampler.sample(logits, seqs) == expected
 
-    seqs = batch(compiler, sampler, [True] * 4)
+    seqs = batch(compiler, sampler, [True] * AHEAD_MIN_ROWS)
     sampler.fill_ahead(seqs)
     check(seqs)
     assert filled == []
@@ -393,3 +382,23 @@ def test_a_fill_ahead_is_used_where_its_sequence_has_not_moved_and_redone_where_
     sampler.fill_ahead(seqs)
     check(seqs)
     assert len(filled) == 2
+
+
+def test_a_batch_with_few_constrained_rows_fills_its_masks_at_the_draw_not_ahead(compiler, monkeypatch):
+    """Below AHEAD_MIN_ROWS rows under a grammar no fill ahead starts: the draw fills every mask
+    itself, and draws what a free sampler draws from logits masked beforehand."""
+    sampler, free_sampler = (BatchSampler(16, WIDTH, torch.device("cpu")) for _ in range(2))
+    started, filled = [], []
+    fill = sampler.masks.fill
+    monkeypatch.setattr(sampler.masks, "start", lambda pairs, bitmask: started.append(pairs))
+    monkeypatch.setattr(
+        sampler.masks, "fill", lambda g, bitmask, rows: (filled.append(list(rows)), fill(g, bitmask, rows))
+    )
+    mixed = [i < AHEAD_MIN_ROWS - 1 for i in range(len(SAMPLING) * 2)]
+    seqs = batch(compiler, sampler, mixed)
+    logits = torch.randn(len(seqs), WIDTH, generator=torch.Generator().manual_seed(3)) * 3
+    sampler.fill_ahead(seqs)
+    expected = free_sampler.sample(masked_beforehand(logits, seqs), batch(compiler, free_sampler, [False] * 10))
+    assert started == []
+    assert sampler.sample(logits, seqs) == expected
+    assert filled == [list(range(AHEAD_MIN_ROWS - 1))]

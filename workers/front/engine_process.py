@@ -49,7 +49,6 @@ from workers.protocol import (
 )
 from workers.serving.engine import EngineStatus, LLMEngine
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import FILL_THREADS_ENV
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,6 @@ CHILD_ENV_NAMES = frozenset(
         "XDG_CACHE_HOME",
         "GRAPHSERVE_CACHE",
         DEFAULT_MODEL_ENV,
-        FILL_THREADS_ENV,
         fault_injection.VARIABLE,
     }
 )

@@ -12,15 +12,17 @@ a schema or logprobs costs what sampling alone does.
 A row with a grammar (`grammar.py`) draws only what it allows: its token bitmask is filled on the
 host, copied over on a stream of its own, and applied after logit_bias (in place, one kernel on
 CUDA), so the logprobs reported are those of the constrained distribution. Free rows of the batch
-are not touched. The masks are filled ahead (`fill_ahead`, which the engine calls once the step's
-tokens are taken): in the mask filler's thread, one bitmask row per sequence slot, while the engine
-ends the step, prepares the next and the device runs it; `sample` waits for that fill, fills now
-only what it did not cover (a sequence that has just been prefilled, or moved to another slot), and
-sends them. Where the fill ran from the replay's launch only, it lay on the step's critical path
-whenever it took longer than the device's step (a batch of rows inside free JSON strings).
-Nothing on that path waits for the device: a blocking copy there (an index tensor built on the
-device from a list) held the host until the step ended, and then the device idled while each later
-kernel was launched.
+are not touched. The masks of a batch with AHEAD_MIN_ROWS rows under a grammar or more are filled
+ahead (`fill_ahead`, which the engine calls once the step's tokens are taken): in the mask filler's
+thread, one bitmask row per sequence slot, while the engine ends the step, prepares the next and the
+device runs it; `sample` waits for that fill, fills now only what it did not cover (a sequence that
+has just been prefilled, or moved to another slot), and sends them. Where the fill ran from the
+replay's launch only, it lay on the step's critical path whenever it took longer than the device's
+step (a batch of rows inside free JSON strings). A smaller batch's masks are filled now, after the
+launch: they take tens of microseconds, less than handing them to the thread and back costs
+(bench/results/mask_fill_placement_h200.md). Nothing on the step's path waits for the device: a
+blocking copy there (an index tensor built on the device from a list) held the host until the step
+ended, and then the device idled while each later kernel was launched.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from workers.serving.sampling import (
     token_logprobs,
 )
 from workers.serving.scheduler import Sequence, new_sequence
+
+AHEAD_MIN_ROWS = 8  # rows under a grammar from which a batch's masks are filled ahead, in a thread
 
 # Every part at once: what warm-up runs (a process's first use of each loads kernels) and what the
 # KV pool's sizing measures the peak memory of.
@@ -204,10 +208,11 @@ class BatchSampler:
 
     def fill_ahead(self, seqs: list[Sequence]) -> None:
         """Start filling the masks of these sequences' grammars (those still running, after their
-        last token) in the mask filler's thread, each into its slot's bitmask row; returns at once.
-        The next `sample` waits for it. Nothing may touch these grammars until then."""
+        last token) in the mask filler's thread, each into its slot's bitmask row, where there are
+        AHEAD_MIN_ROWS of them or more; returns at once. The next `sample` waits for it (or fills
+        them itself). Nothing may touch these grammars until then."""
         ahead = [(s.grammar, s.slot) for s in seqs if s.grammar is not None and s.slot >= 0]
-        if not ahead:
+        if len(ahead) < AHEAD_MIN_ROWS:
             return
         buffers = self._buffers(ahead[0][0].words)
         buffers.writable()

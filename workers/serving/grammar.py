@@ -14,12 +14,14 @@ grammar may end, and a sequence whose grammar is complete ends there (finish rea
 
 A mask costs what llguidance's walk of the token trie costs, which depends on where the grammar is:
 a few microseconds where one token is forced, a fraction of a millisecond inside a free string,
-where most of the vocabulary is allowed. So a step's masks are filled ahead (`MaskFiller.start`):
-in a thread of the filler's own, as soon as the grammars have taken the step's tokens, while the
-engine ends that step and prepares and launches the next; llguidance holds no interpreter lock
-while it fills, and the sampler waits only where it applies them. The masks are as wide as the
-tokenizer's vocabulary, not the model's logits: the padded columns past it are banned by the
-apply without a bit of their own.
+where most of the vocabulary is allowed. The masks of a batch with many constrained rows are
+filled ahead (`MaskFiller.start`): in a thread of the filler's own, as soon as the grammars have
+taken the step's tokens, while the engine ends that step and prepares and launches the next;
+llguidance holds no interpreter lock while it fills, and the sampler waits only where it applies
+them. One row after another: llguidance's own thread pool filled no faster on the H200's 16 cores
+nor on 2 (bench/results/structured_output_h200.md), and its threads took cores from the step.
+The masks are as wide as the tokenizer's vocabulary, not the model's logits: the padded columns
+past it are banned by the apply without a bit of their own.
 """
 
 from __future__ import annotations
@@ -43,10 +45,6 @@ from workers.serving.sampling import InvalidRequest
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
 JSON_OBJECT = '{"type":"object"}'  # what `response_format: {"type": "json_object"}` asks for
 CACHE_SIZE = 256  # compiled schemas kept per engine
-PARALLEL_MIN_ROWS = 8  # below this, or on a host of few cores, masks are filled one row after another
-PARALLEL_MIN_CPUS = 8
-MAX_FILL_THREADS = 8
-FILL_THREADS_ENV = "GRAPHSERVE_MASK_THREADS"  # llguidance threads per fill (default: `fill_threads`)
 
 
 class InvalidSchema(InvalidRequest):
@@ -181,28 +179,17 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def fill_threads() -> int:
-    """llguidance threads a fill uses: one on a host of few cores (measured in
-    bench/results/grammar_engines_cpu.md: on 2 cores its pool costs more than it saves), else half
-    the cores up to MAX_FILL_THREADS; FILL_THREADS_ENV overrides."""
-    if os.environ.get(FILL_THREADS_ENV):
-        return max(1, int(os.environ[FILL_THREADS_ENV]))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 1 if cpus < PARALLEL_MIN_CPUS else min(MAX_FILL_THREADS, cpus // 2)
-
-
 class MaskFiller:
-    """Fills the token bitmasks of grammars on the host: now (`fill`), or ahead, in a thread of its
-    own (`start`; then `wait` before the masks are read or those grammars touched: llguidance holds
-    each matcher for the fill, and another call on one meanwhile raises)."""
+    """Fills the token bitmasks of grammars on the host, one row after another: now (`fill`), or
+    ahead, in a thread of its own (`start`; then `wait` before the masks are read or those grammars
+    touched: llguidance holds each matcher for the fill, and another call on one meanwhile raises)."""
 
-    def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads or fill_threads()
+    def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self._executor: llguidance.LLExecutor | None = None  # made by the first fill that needs it
-        self._pid = os.getpid()  # a forked child has neither the fill thread nor the pool's threads
+        self._executor: llguidance.LLExecutor | None = None  # made by the first fill ahead
+        self._pid = os.getpid()  # a forked child has neither the fill thread nor the executor's
         self._jobs: queue.SimpleQueue | None = None  # to the fill thread, started by the first `start`
         self._done = threading.Lock()  # held while a fill runs in the thread
         self._outcome: list[BaseException] = []  # what it raised
@@ -210,24 +197,19 @@ class MaskFiller:
 
     @property
     def executor(self) -> llguidance.LLExecutor:
-        """llguidance's pool of `threads` threads. The fills ahead go through it even with one: one
-        call for the batch, so the interpreter lock is taken once a fill, not once a row against
-        the step loop's Python."""
+        """llguidance's executor of one thread: a fill ahead is one call for the batch, so the fill
+        thread takes the interpreter lock once a fill, not once a row against the step loop's Python."""
         if self._pid != os.getpid():
             self._reset()
         if self._executor is None:
-            self._executor = llguidance.LLExecutor(self.threads)
+            self._executor = llguidance.LLExecutor(1)
         return self._executor
 
     def fill(self, grammars: list[Grammar], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
         """Now, on this thread: row rows[i] (default i) of `bitmask` (a contiguous host int32 tensor)
-        gets grammar i's allowed tokens. With llguidance's pool where it has threads and rows to share."""
+        gets grammar i's allowed tokens."""
         start, row_bytes = bitmask.data_ptr(), bitmask.shape[1] * 4
         rows = range(len(grammars)) if rows is None else rows
-        if self.threads > 1 and len(grammars) >= PARALLEL_MIN_ROWS:
-            pairs = [(g.matcher, r) for g, r in zip(grammars, rows)]
-            self.executor.unsafe_compute_mask_ptr(pairs, start, row_bytes, bitmask.shape[0])
-            return
         for g, r in zip(grammars, rows):  # addresses: a tensor view per row costs microseconds
             g.matcher.unsafe_compute_mask_ptr(start + r * row_bytes, row_bytes)
 
