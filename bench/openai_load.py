@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 WARM_STREAMS = 16  # per process: opens its connections before the measured round
+WARM_PROMPT = "Warm-up."  # none of the round's prompts: the warm-up leaves them nothing cached
 
 
 async def one_stream(client, model: str, prompt: str, max_tokens: int, start_at: float) -> dict:
@@ -68,15 +69,15 @@ async def _share(spec: dict, read_line: Callable[[], str]) -> dict:
         url: openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         for url in spec["urls"]
     }
-    streams = [(clients[url], offset) for url, offset in spec["streams"]]
-    model, prompt = spec["model"], spec["prompt"]
+    streams = [(clients[url], offset, prompt) for url, offset, prompt in spec["streams"]]
+    model = spec["model"]
     warm = streams[:WARM_STREAMS]
-    await asyncio.gather(*[one_stream(c, model, prompt, 4, 0.0) for c, _ in warm])
+    await asyncio.gather(*[one_stream(c, model, WARM_PROMPT, 4, 0.0) for c, _, _ in warm])
     print("ready", flush=True)
     start_at = json.loads(await asyncio.to_thread(read_line))["start_at"]
     cpu = time.process_time()
     rows = await asyncio.gather(
-        *[one_stream(c, model, prompt, spec["max_tokens"], start_at + offset) for c, offset in streams]
+        *[one_stream(c, model, prompt, spec["max_tokens"], start_at + offset) for c, offset, prompt in streams]
     )
     cpu = time.process_time() - cpu
     for client in clients.values():
@@ -87,20 +88,21 @@ async def _share(spec: dict, read_line: Callable[[], str]) -> dict:
 def run_streams(
     urls: list[str],
     model: str,
-    prompt: str,
+    prompts: list[str],
     offsets: list[float],
     max_tokens: int,
     processes: int,
     idle_s: float,
     on_start: Callable[[], None] = lambda: None,
 ) -> tuple[list[dict], float, float]:
-    """Stream i arrives at offset i (s) after a common start, through urls[i % len(urls)], from
-    process i % processes. Returns every stream's times (in the order of `offsets`), the round's
-    wall time (start to the last stream's end) and the client processes' CPU seconds. `idle_s`:
-    the server idles this long between the warm-up and the round; `on_start` runs at the start."""
+    """Stream i sends prompts[i] and arrives at offset i (s) after a common start, through
+    urls[i % len(urls)], from process i % processes. Returns every stream's times (in the order of
+    `offsets`), the round's wall time (start to the last stream's end) and the client processes'
+    CPU seconds. `idle_s`: the server idles this long between the warm-up and the round;
+    `on_start` runs at the start."""
     shares = [[] for _ in range(min(processes, len(offsets)))]
-    for i, offset in enumerate(offsets):
-        shares[i % len(shares)].append((urls[i % len(urls)], offset))
+    for i, (offset, prompt) in enumerate(zip(offsets, prompts, strict=True)):
+        shares[i % len(shares)].append((urls[i % len(urls)], offset, prompt))
     root = Path(__file__).resolve().parent.parent
     children = [
         subprocess.Popen(
@@ -114,7 +116,7 @@ def run_streams(
     ]
     try:
         for child, share in zip(children, shares):
-            spec = {"urls": urls, "model": model, "prompt": prompt, "streams": share, "max_tokens": max_tokens}
+            spec = {"urls": urls, "model": model, "streams": share, "max_tokens": max_tokens}
             child.stdin.write(json.dumps(spec) + "\n")
             child.stdin.flush()
         for child in children:

@@ -6,6 +6,10 @@ concurrency levels and at Poisson arrival rates, with short and long prompts. Me
 throughput and output token throughput. ITL is the gap between two streamed chunks (a chunk may
 carry several tokens: the replica coalesces a stream's tokens).
 
+Every stream of a level sends the same prompt (after the first, its prefill is cached), or with
+--distinct-prompts its own: a tag of the round and the stream's index first, so no page of one
+prompt is another's, in any round, and every prefill is whole.
+
 With --unary-levels, the knee of non-streamed `max_tokens: 1` requests: requests/s and latency at
 each number of concurrent clients, and the CPU each serving process spends per request.
 
@@ -49,6 +53,17 @@ from bench.report import write_report
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the dog, who had seen it all, sighed. " * 20
 PROMPTS = {"short": TEXT[:130], "long": TEXT[:1500]}  # the byte tokenizer: a token per byte (plus BOS)
+
+
+def stream_prompts(prompt: str, n: int, round_tag: str | None) -> list[str]:
+    """The prompts of a round's n streams: PROMPTS[prompt] each, or (with a tag unique to the
+    round) each its own, as long, beginning with the tag and the stream's index."""
+    text = PROMPTS[prompt]
+    if round_tag is None:
+        return [text] * n
+    return [f"{round_tag}.{i}: {text}"[: len(text)] for i in range(n)]
+
+
 IDLE_BEFORE_ROUND_S = 2.0
 DEFAULT_CLIENT_PROCESSES = max(1, min(8, (os.cpu_count() or 2) // 2))  # a client process saturates: openai_load.py
 ADMIN = "bench-admin"
@@ -109,20 +124,21 @@ def summary(per_request: list[dict], wall_s: float) -> dict:
     }
 
 
-def engine_level(engine, prompt_ids: list[int], offsets: list[float], max_tokens: int) -> dict:
-    """The engine alone under the same arrivals: requests are added when they arrive, between steps."""
+def engine_level(engine, prompts_ids: list[list[int]], offsets: list[float], max_tokens: int) -> dict:
+    """The engine alone under the same arrivals (request i with prompts_ids[i]): requests are added
+    when they arrive, between steps."""
     from workers.serving.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     time.sleep(IDLE_BEFORE_ROUND_S)
-    pending, seqs, arrived = list(offsets), [], []
+    pending, prompts, seqs, arrived = list(offsets), list(prompts_ids), [], []
     t0 = time.monotonic()
     while pending or engine.has_work():
         now = time.monotonic() - t0
         while pending and pending[0] <= now:
             pending.pop(0)
             arrived.append(t0 + now)
-            seqs.append(engine.add_request(prompt_ids, params))
+            seqs.append(engine.add_request(prompts.pop(0), params))
         if engine.has_work():
             engine.step()
         elif pending:
@@ -364,6 +380,7 @@ def main() -> None:
     ap.add_argument("--rates", nargs="*", type=float, default=[], help="Poisson arrival rates (req/s)")
     ap.add_argument("--rate-requests", type=int, default=256)
     ap.add_argument("--prompts", nargs="+", default=["short", "long"], choices=list(PROMPTS))
+    ap.add_argument("--distinct-prompts", action="store_true", help="each stream its own prompt: no prefix cached")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--buckets", nargs="+", type=int, default=[1, 8, 32, 64, 128, 256])
@@ -426,11 +443,16 @@ def main() -> None:
         EngineConfig(model=str(model_dir), device=args.device, graph_policy=policy, **settings)
     )
     alone = {}
-    for prompt, streams, rate in levels:
-        ids = tok(PROMPTS[prompt])["input_ids"]
-        engine_level(engine, ids, arrivals(min(streams, 8), None), 8)  # warm-up
+
+    def tag(kind: str, n: int) -> str | None:
+        return f"{kind}{n}" if args.distinct_prompts else None
+
+    for n, (prompt, streams, rate) in enumerate(levels):
+        warm = [tok(p)["input_ids"] for p in stream_prompts(prompt, min(streams, 8), tag("w", n))]
+        engine_level(engine, warm, arrivals(len(warm), None), 8)
+        ids = [tok(p)["input_ids"] for p in stream_prompts(prompt, streams, tag("e", n))]
         alone[(prompt, streams, rate)] = engine_level(engine, ids, arrivals(streams, rate), args.max_tokens)
-        print("engine", prompt, streams, rate, len(ids), "tokens", alone[(prompt, streams, rate)], flush=True)
+        print("engine", prompt, streams, rate, len(ids[0]), "tokens", alone[(prompt, streams, rate)], flush=True)
     prompt_tokens = {p: len(tok(PROMPTS[p])["input_ids"]) for p in args.prompts}
     del engine
     if gpu:
@@ -470,7 +492,7 @@ def main() -> None:
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, cpu = [], {}
-    for (prompt, streams, rate), processes in itertools.product(levels, args.client_processes):
+    for n, ((prompt, streams, rate), processes) in enumerate(itertools.product(levels, args.client_processes)):
         profiling = (
             args.profile_streams == streams
             and rate is None
@@ -484,7 +506,7 @@ def main() -> None:
         per_request, wall, client_cpu_s = run_streams(
             urls,
             model_dir.name,
-            PROMPTS[prompt],
+            stream_prompts(prompt, streams, tag("s", n)),
             arrivals(streams, rate),
             args.max_tokens,
             processes,
@@ -550,6 +572,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "throughput_optimized": args.throughput_optimized,
         "haproxy": args.haproxy,
+        "distinct_prompts": args.distinct_prompts,
     }
     result = {"meta": meta, "rows": rows, "unary_max_tokens_1": unary}
     if args.profile_streams or args.profile_unary:

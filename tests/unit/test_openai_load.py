@@ -10,10 +10,11 @@ import threading
 
 import pytest
 
-from bench.openai_load import run_streams
+from bench.openai_load import WARM_PROMPT, run_streams
 
 CHUNKS = 3
 CHUNK = {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
+PROMPTS: list[str] = []  # what the server was sent, in order
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -24,7 +25,7 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
             length = next(
                 int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")
             )
-            await reader.readexactly(length)
+            PROMPTS.append(json.loads(await reader.readexactly(length))["prompt"])
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             events = [{**CHUNK, "choices": [{"index": 0, "text": "ab", "finish_reason": None}]}] * CHUNKS
             events.append(
@@ -57,8 +58,11 @@ def sse_url():
 
 def test_streams_from_two_processes_start_together_at_their_offsets(sse_url):
     offsets = [0.0, 0.0, 0.3, 0.3, 0.0, 0.0]  # stream i goes to process i % 2: a late one in each
-    rows, wall, cpu_s = run_streams([sse_url], "m", "hi", offsets, 6, processes=2, idle_s=0.0)
+    prompts = [f"prompt {i}" for i in range(len(offsets))]
+    PROMPTS.clear()
+    rows, wall, cpu_s = run_streams([sse_url], "m", prompts, offsets, 6, processes=2, idle_s=0.0)
     assert len(rows) == len(offsets) and cpu_s > 0
+    assert sorted(p for p in PROMPTS if p != WARM_PROMPT) == prompts  # each stream its own prompt, once
     assert all(r["chunks"] == CHUNKS and r["tokens"] == 2 * CHUNKS and r["ttft"] > 0 for r in rows)
     starts = [r["end"] - r["e2e"] for r in rows]
     early = [t for t, offset in zip(starts, offsets) if offset == 0.0]
