@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-WARM_STREAMS = 16  # per process: opens its connections before the measured round
+WARM_STREAMS = 16  # per process, before the measured round: opens connections, and reaches every ingress
+# replica behind a balancer (the first request an ingress replica handles costs it more than the next)
 WARM_PROMPT = "Warm-up."  # none of the round's prompts: the warm-up leaves them nothing cached
 
 
@@ -71,8 +72,8 @@ async def _share(spec: dict, read_line: Callable[[], str]) -> dict:
     }
     streams = [(clients[url], offset, prompt) for url, offset, prompt in spec["streams"]]
     model = spec["model"]
-    warm = streams[:WARM_STREAMS]
-    await asyncio.gather(*[one_stream(c, model, WARM_PROMPT, 4, 0.0) for c, _, _ in warm])
+    warm = [streams[i % len(streams)][0] for i in range(WARM_STREAMS)]  # as many as a round of few streams too
+    await asyncio.gather(*[one_stream(c, model, WARM_PROMPT, 4, 0.0) for c in warm])
     print("ready", flush=True)
     start_at = json.loads(await asyncio.to_thread(read_line))["start_at"]
     cpu = time.process_time()
