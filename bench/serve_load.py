@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import torch
@@ -131,18 +131,17 @@ def engine_level(engine, prompts_ids: list[list[int]], offsets: list[float], max
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     time.sleep(IDLE_BEFORE_ROUND_S)
-    pending, prompts, seqs, arrived = list(offsets), list(prompts_ids), [], []
+    pending, seqs, arrived = deque(zip(offsets, prompts_ids, strict=True)), [], []
     t0 = time.monotonic()
     while pending or engine.has_work():
         now = time.monotonic() - t0
-        while pending and pending[0] <= now:
-            pending.pop(0)
+        while pending and pending[0][0] <= now:
             arrived.append(t0 + now)
-            seqs.append(engine.add_request(prompts.pop(0), params))
+            seqs.append(engine.add_request(pending.popleft()[1], params))
         if engine.has_work():
             engine.step()
         elif pending:
-            time.sleep(max(0.0, pending[0] - (time.monotonic() - t0)))
+            time.sleep(max(0.0, pending[0][0] - (time.monotonic() - t0)))
     wall = time.monotonic() - t0
     rows = []
     for seq, at in zip(seqs, arrived):
@@ -491,7 +490,7 @@ def main() -> None:
 
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows, cpu = [], {}
+    rows = []
     for n, ((prompt, streams, rate), processes) in enumerate(itertools.product(levels, args.client_processes)):
         profiling = (
             args.profile_streams == streams
@@ -519,7 +518,6 @@ def main() -> None:
         stop_profile(spies)
         peak = {role: max(s[role] for s in samples) for role in samples[0]} if samples else {}
         mean = {role: statistics.fmean(s[role] for s in samples) for role in samples[0]} if samples else {}
-        cpu[f"{prompt}-{streams}-{rate}-{processes}"] = {"peak": peak, "mean": mean}
         e = alone[(prompt, streams, rate)]
         row = {
             "model_shape": args.config,
@@ -538,7 +536,7 @@ def main() -> None:
             "chunks_per_request": served["chunks_per_request"],
             "engine": e,
             "served": served,
-            "cpu_percent": cpu[f"{prompt}-{streams}-{rate}-{processes}"],
+            "cpu_percent": {"peak": peak, "mean": mean},
             "client_processes": processes,
             "client_cpu_ms_per_request": client_cpu_s * 1e3 / len(per_request),
         }

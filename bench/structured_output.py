@@ -418,8 +418,8 @@ def main() -> None:
     note = (
         "Overhead: constrained TPOT over free TPOT, each the median of its rounds' median steps (free and "
         "constrained in turn; the breakdown, fills and accepts from the last round). Mask fill and accept: "
-        "host parts alone, per step, on the last states again (from 8 rows the fill runs ahead, in a thread, "
-        "off the step's path; below, after the launch; the accept is on the path). "
+        f"host parts alone, per step, on the last states again (from {batch_sampler.AHEAD_MIN_ROWS} rows the fill "
+        "runs ahead, in a thread, off the step's path; below, after the launch; the accept is on the path). "
         "Breakdown: see bench/structured_output.py's docstring.\n\n"
     )
     write_report(args.out, result, table(result), note)
