@@ -44,6 +44,7 @@ class Dispatch:
     mode: ExecutionMode
     bucket: int | None  # rows the step runs with (padded size); None when eager
     reason: FallbackReason | None  # why not the policy's graph mode; None when it replays as intended
+    decode_rows: bool = False  # a prefill run as rows of the decode step (`policies/cached_prefill.py`)
 
     @property
     def bucket_id(self) -> str:

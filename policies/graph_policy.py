@@ -31,7 +31,8 @@ class GraphPolicy(BaseModel):
     capture_prefill: bool = Field(
         True,
         description="capture a prefill's pieces between attention calls once per bucket of token counts "
-        "(`prefill_token_buckets`) and run attention eager between them; false: prefill runs eager",
+        "(`prefill_token_buckets`) and run attention eager between them, and run a prefill of a few tokens "
+        "as rows of the captured decode step; false: prefill runs eager",
     )
     prefill_token_buckets: tuple[int, ...] | None = Field(
         None,

@@ -3,7 +3,8 @@ one SDPA call per prompt with the context's mask does (bf16/fp16, with and witho
 window); a model's prefill after cached pages gives a full prefill's logits (bf16, the packed
 path); and with captured decode graphs, requests that reuse cached pages decode exactly what they
 decode with caching off (the default model in fp32, greedy and seeded, also under page pressure,
-and short turns whose prefill attention runs on the paged decode kernel)."""
+and short turns whose prefill attention runs on the paged decode kernel); short prefills replaying
+the decode step, a row per token, decode what the prefill path decodes."""
 
 from __future__ import annotations
 
@@ -148,6 +149,35 @@ def test_short_turns_on_the_paged_kernel_decode_what_uncached_ones_decode(monkey
     assert [s.output_ids for s in got] == [s.output_ids for s in want]
     assert [s.cached_tokens for s in got] == [0, 592, 592, 592]  # 37 full pages of the first prompt
     assert picked == [True, True, False]  # 8 + 2, 8 + 9 and 8 + 20 new tokens; not 8 + 40; no call uncached
+
+
+def test_short_prefills_replaying_the_decode_step_decode_what_the_prefill_path_decodes():
+    """Follow-ups of 1 to 31 new tokens after a cached 300-token history, and fresh prompts of 2 to
+    24 tokens, with decode graphs of up to 32 rows: their prefills replay the decode step, a row a
+    token, and they decode (fp32, greedy and seeded, graphs replaying) what they decode where every
+    prefill takes the prefill path (`capture_prefill` off)."""
+
+    def make(capture_prefill: bool) -> LLMEngine:
+        policy = GraphPolicy(compile=False, capture_prefill=capture_prefill)
+        config = EngineConfig(
+            max_num_seqs=32, max_model_len=512, device="cuda", graph_policy=policy, kv_page_size=PAGE, dtype="float32"
+        )
+        return LLMEngine.from_config(config)[0]
+
+    g = torch.Generator().manual_seed(3)
+    history = torch.randint(0, 256, (300,), generator=g).tolist()
+    prompts = [history] + [history + torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 6, 19, 31)]
+    prompts += [torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 9, 24)]
+    requests = [(p, SamplingParams(max_tokens=12, temperature=0.8 * (i % 2), seed=i)) for i, p in enumerate(prompts)]
+    rows, prefill_path = make(True), make(False)
+    got = [serve(rows, [r])[0].output_ids for r in requests]
+    assert got == [serve(prefill_path, [r])[0].output_ids for r in requests]
+    parts = rows.status().stats["prefill_step_parts"]
+    as_rows = {p["bucket_id"]: p["steps"] for p in parts if p["bucket_id"].startswith("decode_bs")}
+    # 300 = 18 pages + 12: a follow-up prefills those 12 and its own tokens (13, 18, 31 as rows; 43
+    # above the largest bucket, on the prefill path), a fresh prompt its own (2, 9, 24)
+    assert as_rows == {"decode_bs_16": 2, "decode_bs_24": 2, "decode_bs_32": 1, "decode_bs_2": 1}
+    assert all(p["execution_mode"] == "cuda_graph" for p in parts if p["bucket_id"] in as_rows)
 
 
 @pytest.mark.parametrize("budget", [7, 40])

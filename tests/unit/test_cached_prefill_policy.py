@@ -1,11 +1,32 @@
-"""The rule that picks the paged decode kernel for a prefill over cached contexts, against the
-H200 measurements it came from (`bench/results/cached_prefill_attention_h200.md`)."""
+"""The rules that pick how a prefill of a few tokens runs, against the H200 measurements they came
+from: rows of the decode step (`bench/results/prefill_rows_h200.md`), and the paged decode kernel
+for a prefill's attention over cached contexts (`bench/results/cached_prefill_attention_h200.md`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from policies.cached_prefill import paged_prefill_pays
+from policies.cached_prefill import paged_prefill_pays, prefill_as_decode_rows
+
+
+@pytest.mark.parametrize(
+    ("lens", "contexts", "rows"),
+    [
+        ([1], [0], True),  # measured 0.75x (1B) and 0.85x (8B) the prefill path's time
+        ([32], [2000], True),  # 0.70x and 0.82x
+        ([32], [8000], True),  # 0.89x and 0.95x
+        ([64], [2000], True),  # 0.80x and 0.92x
+        ([48], [8000], False),  # 0.93x and 1.03x
+        ([64], [8000], False),  # 0.91x and 1.12x
+        ([128], [0], False),  # 0.95x and 0.95x: little to gain from more rows
+        ([128], [2000], False),  # 0.99x and 1.18x
+        ([20, 12], [0, 8000], True),  # the key reads add up: 20 x 20 + 12 x 8012
+        ([20, 33], [0, 8000], False),  # 33 x 8033 + 20 x 20: more than 32 tokens over 8,000 read
+        ([], [], False),  # nothing to prefill
+    ],
+)
+def test_decode_rows_where_they_measured_faster(lens, contexts, rows):
+    assert prefill_as_decode_rows(lens, contexts) is rows
 
 
 @pytest.mark.parametrize(

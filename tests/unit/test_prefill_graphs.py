@@ -2,9 +2,10 @@
 the pieces between attention calls, run on padded static buffers, compute what the plain prefill
 computes (several prompts, cached contexts, padding that never reaches a real slot); an engine whose
 prefills replay (the CPU stand-in of capture) decodes token for token what an engine without prefill
-graphs decodes, through chunked prefill, prefix-cache hits and preemption; denied requests, prompts
-above the ladder and faulty graphs run eager, each with its reason. The GPU tests capture real
-graphs (tests/gpu/test_prefill_graphs_cuda.py)."""
+graphs decodes, through chunked prefill, prefix-cache hits and preemption, and where short prefills
+run as rows of the decode step; denied requests, prompts above the ladder and faulty graphs run
+eager, each with its reason. The GPU tests capture real graphs
+(tests/gpu/test_prefill_graphs_cuda.py)."""
 
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def test_the_pieces_on_a_padded_bucket_compute_the_plain_prefill(tiny, contexts)
     torch.testing.assert_close(v_pieces, v_plain, rtol=1e-5, atol=1e-6)
 
 
-def prefill_graph_engine(tiny, monkeypatch, faults=None, capture_prefill=True, **config):
-    """An engine whose graphs are the CPU stand-ins; its prefills replay the stand-in's pieces
-    (unless `capture_prefill` is false: then only its decode steps replay)."""
+def prefill_graph_engine(tiny, monkeypatch, faults=None, capture_prefill=True, decode_buckets=(1, 2, 4), **config):
+    """An engine whose graphs are the CPU stand-ins; its prefills replay the stand-in's pieces or
+    its decode step (unless `capture_prefill` is false: then only its decode steps replay)."""
 
     def runner(model, cache, policy, lora=False, prefill_buckets=()):
         made = EagerGraphRunner(model, cache, policy, lora=lora, prefill_buckets=prefill_buckets)
@@ -86,7 +87,9 @@ def prefill_graph_engine(tiny, monkeypatch, faults=None, capture_prefill=True, *
         return made
 
     monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
-    policy = GraphPolicy(decode_batch_buckets=(1, 2, 4), prefill_token_buckets=BUCKETS, capture_prefill=capture_prefill)
+    policy = GraphPolicy(
+        decode_batch_buckets=decode_buckets, prefill_token_buckets=BUCKETS, capture_prefill=capture_prefill
+    )
     return new_engine(tiny, graph_policy=policy, **config)
 
 
@@ -127,6 +130,42 @@ def test_an_engine_replaying_prefill_graphs_decodes_what_one_without_them_does(t
     if chunk is None:  # the 55-token prompt is above the largest bucket
         assert ("eager", "none", "shape_miss") in parts
         assert engine.stats.prefix_hits_tokens == 16
+
+
+def test_short_prefills_replay_the_decode_step_with_a_row_per_token(tiny, monkeypatch):
+    """Prefills of at most a decode bucket's rows run as rows of the decode step: prompts of a few
+    tokens, a follow-up whose new tokens attend to a cached prefix across pages, and a request
+    denied graphs (the step's eager twin). Greedy and seeded, they decode what prefills through the
+    prefill path decode (fp32); longer prefills keep to that path."""
+    vocab = tiny.model.cfg.vocab_size
+    shared = random_prompts([37], vocab, seed=6)[0]
+    prompts = random_prompts([3, 5, 2, 12, 4], vocab, seed=3) + [shared, shared + [7, 8, 9]]
+    params = [
+        SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    config = dict(max_num_seqs=8, max_num_batched_tokens=40, decode_buckets=(1, 2, 4, 8))
+    plain = prefill_graph_engine(tiny, monkeypatch, capture_prefill=False, **config)
+    expected = run_staggered(plain, prompts, params, 1, denied=frozenset({4}))
+    assert not any(bucket.startswith("decode_bs") for _, bucket, _ in prefill_parts(plain))
+    engine = prefill_graph_engine(tiny, monkeypatch, **config)
+    before = sum(engine.runner.replayed.values())
+    assert run_staggered(engine, prompts, params, 1, denied=frozenset({4})) == expected
+    parts = prefill_parts(engine)
+    # one prompt a step: 3, 5 and 2 tokens as rows of buckets 4, 8 and 2; 12 through the prefill
+    # graphs; 4 denied graphs on the step's eager twin; 37 above the prefill ladder under a budget
+    # of 40 (16, 32); the follow-up's 8 tokens after its 32 cached ones (two pages) on bucket 8
+    assert parts == {
+        ("cuda_graph", "decode_bs_4", "none"): 1,
+        ("cuda_graph", "decode_bs_8", "none"): 2,
+        ("cuda_graph", "decode_bs_2", "none"): 1,
+        ("piecewise", "prefill_tokens_16", "none"): 1,
+        ("eager", "decode_bs_4", "tenant_disabled"): 1,
+        ("eager", "none", "shape_miss"): 1,
+    }
+    decode_rows = sum(n for (mode, b, _), n in parts.items() if mode == "cuda_graph" and b.startswith("decode_bs"))
+    assert sum(engine.runner.replayed.values()) - before == engine.stats.decode_steps + decode_rows
+    assert engine.stats.prefix_hits_tokens == 32
 
 
 def test_a_prefill_bucket_whose_replay_differs_from_its_eager_twin_is_withdrawn(tiny, monkeypatch):

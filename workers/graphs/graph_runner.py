@@ -24,10 +24,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
+from policies import cached_prefill
 from policies.dispatch import BucketTable, Dispatch, EngineState, ExecutionMode, FallbackReason, bucket_id
 from policies.graph_policy import GraphPolicy
 from workers.graphs.capture import (
@@ -47,7 +49,7 @@ from workers.kv.attention import GraphSupport
 from workers.kv.kv_cache import KVCache, pages_needed
 from workers.model_runner.runner import ModelRunner
 from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
-from workers.modeling.model import LlamaModel
+from workers.modeling.model import LlamaModel, last_tokens
 
 log = logging.getLogger(__name__)
 PROBE_PAGES = 3  # pages of context per probe slot: enough to cross two page boundaries
@@ -181,16 +183,35 @@ class GraphRunner(CapturedBuckets):
         return self.model_runner.decode(batch)
 
     def prefill(self, batch: PrefillInputs, graphs: bool = True) -> tuple[torch.Tensor, Dispatch]:
-        """Logits of each sequence's last token, and how the call ran: replayed prefill graphs where
-        a bucket of token counts holds the batch, else eager. `graphs=False` (a request denied
-        graphs is in the batch) runs the eager twin of the bucket's graphs, which computes what
-        a replay would, or eager where no graphs are ready. Here so every rank makes each model
-        call the same one way."""
+        """Logits of each sequence's last token, and how the call ran: a few tokens as rows of a
+        replayed decode step (`policies/cached_prefill.py`), else replayed prefill graphs where a
+        bucket of token counts holds the batch, else eager. `graphs=False` (a request denied graphs
+        is in the batch) runs the eager twin of the step or of the bucket's graphs, which computes
+        what a replay would, or eager where no graphs are ready. Here so every rank makes each
+        model call the same one way."""
         self.cache.set_pages(batch.pages)
+        rows = self._prefill_rows(batch)
+        if rows is not None:
+            dispatch = self.table.dispatch(rows.rows)
+            if graphs:
+                logits, dispatch = self.decode(rows)
+            else:
+                logits, dispatch = self.eager(rows), Dispatch(ExecutionMode.EAGER, dispatch.bucket, None)
+            return logits[last_tokens(batch.lens, self.device)], replace(dispatch, decode_rows=True)
         if self.prefill_graphs is None:
             reason = FallbackReason.DISABLED if self.enabled else self.table.global_reason
             return self.model_runner.prefill(batch), Dispatch(ExecutionMode.EAGER, None, reason)
         return self.prefill_graphs.prefill(batch, graphs, self.model_runner.prefill)
+
+    def _prefill_rows(self, batch: PrefillInputs) -> DecodeInputs | None:
+        """The batch as rows of the decode step (its block-table edits already applied), where the
+        rule takes it and a captured full-graph bucket holds its tokens; else None."""
+        if not (self.policy.capture_prefill and cached_prefill.prefill_as_decode_rows(batch.lens, batch.context_lens)):
+            return None
+        dispatch = self.table.dispatch(len(batch.tokens))
+        if dispatch.mode != ExecutionMode.CUDA_GRAPH:
+            return None
+        return DecodeInputs(batch.tokens, batch.positions, batch.slots, batch.adapters)
 
     # -- startup -------------------------------------------------------------------------------
 

@@ -575,7 +575,7 @@ class LLMEngine:
             len(rows),
             len(batch.tokens),
             d.mode.value,
-            runner.prefill_bucket_id(d.bucket),
+            runner.bucket_id(d.bucket) if d.decode_rows else runner.prefill_bucket_id(d.bucket),
             reason.value if reason else "none",
             padding,
         )
