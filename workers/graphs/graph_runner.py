@@ -77,7 +77,7 @@ def initial_table(
 def allow_compiled_shapes(shapes: int) -> None:
     """Room for `shapes` more compiled graphs of the decode step in this process. Dynamo keeps at most
     `recompile_limit` compiled versions of one function (8 by default, shared by every runner in the
-    process) and past it runs the function uncompiled without saying so. A runner needs 1-3 graphs
+    process) and past it runs the function uncompiled without saying so. A runner needs 1-2 graphs
     (`compiled_step.py`) and never more than one per bucket, so it raises the limit by its number of
     buckets, and past it dynamo raises instead: a bucket either runs compiled or startup fails."""
     torch._dynamo.config.recompile_limit += shapes

@@ -85,12 +85,11 @@ class Attention(nn.Module):
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LoraBatch | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv(x, lora)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+        heads = self.qkv(x, lora).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # split after the view: a view of a split slice (rows strided past it) makes a compiler
+        # guard on the row count being > 1, which gives a batch of one a graph of its own
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class MLP(nn.Module):
