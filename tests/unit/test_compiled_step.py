@@ -1,6 +1,7 @@
 """The decode step compiled once for every bucket (CPU, inductor's C++ backend, a 2-layer fp32 model):
-dynamo compiles one graph for a ladder of four buckets (size 1 included), every bucket is captured (the CPU stand-in) and reported compiled, and greedy tokens through
-the padded compiled step equal the plain eager model's at odd batch sizes."""
+dynamo compiles one graph for a ladder of four buckets (size 1 included), every bucket is captured
+(the CPU stand-in) and reported compiled, and greedy tokens through the padded compiled step equal
+the plain eager model's at odd batch sizes."""
 
 from __future__ import annotations
 
