@@ -148,7 +148,8 @@ def test_an_adapter_whose_probe_replay_differs_is_refused_and_loading_captures_n
 
 def test_graph_replays_with_adapters_equal_eager(tiny, adapters, monkeypatch):
     """With stand-in graphs (the real capture bookkeeping, dispatch and static inputs), rows with
-    adapters replay the LoRA runner's buckets and decode what an eager engine decodes."""
+    adapters replay the LoRA runner's buckets and decode what an eager engine decodes; so does a
+    lone request's prefill of a few tokens, as rows of the LoRA runner's decode step."""
 
     def runner(model, cache, policy, lora=False, prefill_buckets=()):
         return EagerGraphRunner(model, cache, policy, lora=lora, prefill_buckets=prefill_buckets)
@@ -157,11 +158,15 @@ def test_graph_replays_with_adapters_equal_eager(tiny, adapters, monkeypatch):
     requests = list(zip(PROMPTS[:3], ["all", None, "mlp"], strict=True))
     graphs = lora_engine(tiny, graph_policy=GraphPolicy(decode_batch_buckets=(1, 2, 4)))
     got = run(graphs, requests, adapters)
+    alone = run(graphs, [(PROMPTS[0], "attn")], adapters)
     monkeypatch.undo()
     assert got == run(lora_engine(tiny), requests, adapters)
+    assert alone == run(lora_engine(tiny), [(PROMPTS[0], "attn")], adapters)
     buckets = {p["bucket_id"] for p in graphs.stats.snapshot()["decode_step_parts"] if p["execution_mode"] != "eager"}
     assert "lora_decode_bs_4" in buckets
-    assert graphs.runners.lora.replayed[4] > 0 and graphs.stats.adapter_tokens == {"all": 12, "mlp": 12}
+    prefills = {(p["execution_mode"], p["bucket_id"]) for p in graphs.stats.snapshot()["prefill_step_parts"]}
+    assert prefills == {("eager", "none"), ("cuda_graph", "lora_decode_bs_4")}  # 12 tokens together; 4 alone
+    assert graphs.runners.lora.replayed[4] > 0 and graphs.stats.adapter_tokens == {"all": 12, "mlp": 12, "attn": 12}
 
 
 def broken(adapters: dict[str, str], tmp_path, change) -> str:
