@@ -8,8 +8,9 @@ call between them, bound by their launches. Each row reads its whole context whe
 reads it once, so the rows' key reads (tokens x context) bound the rule. Measured per call on the
 H200 (`bench/results/prefill_rows_h200.md`, 1B and 8B shapes, contexts 0 to 8,000): rows took
 0.55-0.95x the prefill path's time for 1 to 32 tokens at every context, 0.73-0.93x for 48 and 64
-tokens over contexts up to 2,000, and lost from 48 tokens over 8,000 on the 8B (1.03-1.12x) and
-with 128 tokens over 2,000 or more (0.99-1.72x).
+tokens over contexts up to 2,000, 0.81-0.96x for 128 tokens over 512 or none, and lost from 48
+tokens over 8,000 on the 8B (1.03-1.12x) and with 128 tokens over 2,000 or more (0.99-1.72x). The
+bound on key reads draws that line; every measured call it sends to rows was faster as rows.
 
 Where the decode step cannot replay (no captured bucket holds the tokens, eager mode, a CPU), a
 call's attention alone may still run on the paged decode kernel (`paged_prefill_pays`). Flash
@@ -25,7 +26,7 @@ single token (flash's one-query case is cheap). Host-timed calls vary by ~25% be
 
 from __future__ import annotations
 
-DECODE_ROWS_MAX_TOKENS = 64  # more rows gain little even over no context (0.95x at 128 tokens)
+DECODE_ROWS_MAX_TOKENS = 128  # 0.95x at 128 tokens over no context: more rows would gain little
 DECODE_ROWS_MAX_KEY_READS = 1 << 18  # sum of tokens x their context: 32 tokens over 8,000 still pay
 PAGED_MIN_TOKENS = 2  # one new token: flash attention's one-query case is as cheap
 PAGED_MAX_TOKENS = 32  # more new tokens: each rereads the context, flash reads it once

@@ -18,8 +18,10 @@ from policies.cached_prefill import paged_prefill_pays, prefill_as_decode_rows
         ([64], [2000], True),  # 0.80x and 0.92x
         ([48], [8000], False),  # 0.93x and 1.03x
         ([64], [8000], False),  # 0.91x and 1.12x
-        ([128], [0], False),  # 0.95x and 0.95x: little to gain from more rows
+        ([128], [0], True),  # 0.95x and 0.95x
+        ([128], [512], True),  # 0.81x and 0.96x
         ([128], [2000], False),  # 0.99x and 1.18x
+        ([129], [0], False),  # more rows than the rule takes: little left to gain
         ([20, 12], [0, 8000], True),  # the key reads add up: 20 x 20 + 12 x 8012
         ([20, 33], [0, 8000], False),  # 33 x 8033 + 20 x 20: more than 32 tokens over 8,000 read
         ([], [], False),  # nothing to prefill
