@@ -190,28 +190,26 @@ class GraphRunner(CapturedBuckets):
         what a replay would, or eager where no graphs are ready. Here so every rank makes each
         model call the same one way."""
         self.cache.set_pages(batch.pages)
-        rows = self._prefill_rows(batch)
-        if rows is not None:
-            dispatch = self.table.dispatch(rows.rows)
+        bucket = self._rows_bucket(batch)
+        if bucket is not None:
+            rows = DecodeInputs(batch.tokens, batch.positions, batch.slots, batch.adapters)  # edits applied
             if graphs:
                 logits, dispatch = self.decode(rows)
             else:
-                logits, dispatch = self.eager(rows), Dispatch(ExecutionMode.EAGER, dispatch.bucket, None)
+                logits, dispatch = self.eager(rows), Dispatch(ExecutionMode.EAGER, bucket, None)
             return logits[last_tokens(batch.lens, self.device)], replace(dispatch, decode_rows=True)
         if self.prefill_graphs is None:
             reason = FallbackReason.DISABLED if self.enabled else self.table.global_reason
             return self.model_runner.prefill(batch), Dispatch(ExecutionMode.EAGER, None, reason)
         return self.prefill_graphs.prefill(batch, graphs, self.model_runner.prefill)
 
-    def _prefill_rows(self, batch: PrefillInputs) -> DecodeInputs | None:
-        """The batch as rows of the decode step (its block-table edits already applied), where the
-        rule takes it and a captured full-graph bucket holds its tokens; else None."""
+    def _rows_bucket(self, batch: PrefillInputs) -> int | None:
+        """The decode bucket that runs the batch as rows, where the rule takes it and that bucket
+        replays a full graph; else None."""
         if not (self.policy.capture_prefill and cached_prefill.prefill_as_decode_rows(batch.lens, batch.context_lens)):
             return None
         dispatch = self.table.dispatch(len(batch.tokens))
-        if dispatch.mode != ExecutionMode.CUDA_GRAPH:
-            return None
-        return DecodeInputs(batch.tokens, batch.positions, batch.slots, batch.adapters)
+        return dispatch.bucket if dispatch.mode == ExecutionMode.CUDA_GRAPH else None
 
     # -- startup -------------------------------------------------------------------------------
 
