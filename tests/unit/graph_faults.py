@@ -65,8 +65,8 @@ class _ShiftedMask:
     def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None):
         return self.inner.prepare(cache, positions + self.shift, window)
 
-    def __call__(self, q, cache: KVCache, layer: int, slot_ids, meta, window: int | None) -> torch.Tensor:
-        return self.inner(q, cache, layer, slot_ids, meta, window)
+    def __call__(self, q, k_pages, v_pages, cache: KVCache, slot_ids, meta, window: int | None) -> torch.Tensor:
+        return self.inner(q, k_pages, v_pages, cache, slot_ids, meta, window)
 
 
 def _wrong_mask(model: LlamaModel, shift: int) -> Step:

@@ -422,7 +422,7 @@ class GraphRunner(CapturedBuckets):
             meta = self.backend.prepare(cache, positions, window)
             graphs[0].replay()
             for i, q in enumerate(queries):
-                attn_out.copy_(self.backend(q, cache, i, slots, meta, window))
+                attn_out.copy_(self.backend(q, *cache.layer(i), cache, slots, meta, window))
                 graphs[i + 1].replay()
             return logits
 

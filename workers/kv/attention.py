@@ -53,8 +53,8 @@ class TritonDecode:
         kv_heads, head_dim = cache.k.shape[-2:]
         return paged_attention.paged_decode_plan(positions + 1, window, kv_heads, head_dim)
 
-    def __call__(self, q, cache: KVCache, layer: int, slot_ids, plan, window: int | None) -> torch.Tensor:
-        return paged_attention.paged_decode(q, cache.k[layer], cache.v[layer], cache.block_table, slot_ids, *plan)
+    def __call__(self, q, k_pages, v_pages, cache: KVCache, slot_ids, plan, window: int | None) -> torch.Tensor:
+        return paged_attention.paged_decode(q, k_pages, v_pages, cache.block_table, slot_ids, *plan)
 
 
 class SdpaDecode:
@@ -64,8 +64,8 @@ class SdpaDecode:
     def prepare(self, cache: KVCache, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         return visible_mask(cache.max_pages * cache.page_size, positions, window)
 
-    def __call__(self, q, cache: KVCache, layer: int, slot_ids, mask, window: int | None) -> torch.Tensor:
-        return _attend(q, *cache.gather(layer, slot_ids, cache.max_pages), mask)
+    def __call__(self, q, k_pages, v_pages, cache: KVCache, slot_ids, mask, window: int | None) -> torch.Tensor:
+        return _attend(q, *cache.gather(k_pages, v_pages, slot_ids, cache.max_pages), mask)
 
 
 class SdpaVarlenDecode:
@@ -76,8 +76,8 @@ class SdpaVarlenDecode:
         longest = int(positions.max()) + 1  # host sync: the longest row decides how many pages are read
         return visible_mask(pages_needed(longest, cache.page_size) * cache.page_size, positions, window)
 
-    def __call__(self, q, cache: KVCache, layer: int, slot_ids, mask, window: int | None) -> torch.Tensor:
-        return _attend(q, *cache.gather(layer, slot_ids, mask.shape[-1] // cache.page_size), mask)
+    def __call__(self, q, k_pages, v_pages, cache: KVCache, slot_ids, mask, window: int | None) -> torch.Tensor:
+        return _attend(q, *cache.gather(k_pages, v_pages, slot_ids, mask.shape[-1] // cache.page_size), mask)
 
 
 BACKENDS = {b.name: b for b in (TritonDecode, SdpaDecode, SdpaVarlenDecode)}

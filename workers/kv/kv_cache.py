@@ -82,6 +82,10 @@ class KVCache:
         pages = self.block_table[slot_ids, positions // self.page_size].long()
         return pages * self.page_size + positions % self.page_size
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V pools, (num_pages, page_size, kv_heads, head_dim) views each."""
+        return self.k[layer], self.v[layer]
+
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v of shape (tokens, kv_heads, head_dim) at their `write_index` positions."""
         kv_write(self.k[layer], self.v[layer], index, k, v)
@@ -90,13 +94,15 @@ class KVCache:
         """k, v of shape (len(index), kv_heads, head_dim) stored at these flattened pool positions."""
         return self.k[layer].flatten(0, 1)[index], self.v[layer].flatten(0, 1)[index]
 
-    def gather(self, layer: int, slot_ids: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the slots' first num_pages pages, position-ordered:
+    def gather(
+        self, k_pages: torch.Tensor, v_pages: torch.Tensor, slot_ids: torch.Tensor, num_pages: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the slots' first num_pages pages in one layer's pools, position-ordered:
         (rows, kv_heads, num_pages * page_size, head_dim) each (for attention without paged kernels)."""
         pages = self.block_table[slot_ids, :num_pages].long()
         rows = slot_ids.shape[0]
 
         def one(pool: torch.Tensor) -> torch.Tensor:
-            return pool[layer][pages].view(rows, num_pages * self.page_size, *pool.shape[3:]).transpose(1, 2)
+            return pool[pages].view(rows, num_pages * self.page_size, *pool.shape[2:]).transpose(1, 2)
 
-        return one(self.k), one(self.v)
+        return one(k_pages), one(v_pages)

@@ -9,13 +9,14 @@ allocation that depends on values), which is the step the graph runner captures.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.kv.attention import make_backend
-from workers.kv.kv_cache import KVCache, pages_needed
+from workers.kv.kv_cache import KVCache, kv_write, pages_needed
 from workers.kv.prefill_attention import PrefillAttention
 from workers.modeling.config import ModelConfig
 from workers.modeling.lora import TARGETS, LoraBatch, LoraSlots
@@ -67,6 +68,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+class DecodeParts(Protocol):
+    """The three parts of a decode step (`LlamaModel.decode_by`): the model's own, or compiled."""
+
+    def decode_start(self, tokens, positions, slot_ids, cache: KVCache) -> tuple: ...
+
+    def decode_layer(self, block, h, delta, cos, sin, index, k_pages, v_pages, cache, slot_ids, plan, adapters): ...
+
+    def decode_end(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str | None) -> None:
         super().__init__()
@@ -105,12 +116,38 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """One decoder layer, split at attention: `attention_inputs` before it, `residuals` after."""
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, device: torch.device | str | None) -> None:
         super().__init__()
+        self.eps = cfg.rms_norm_eps
         self.input_norm = ReplicatedParameter([cfg.hidden_size], cfg.dtype, device)
         self.attn = Attention(cfg, tp, device)
         self.post_attn_norm = ReplicatedParameter([cfg.hidden_size], cfg.dtype, device)
         self.mlp = MLP(cfg, tp, device)
+
+    def attention_inputs(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write_index: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        lora: LoraBatch | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, QKV, rope; stores the K/V in this layer's pages at `write_index`; returns q, k, v."""
+        q, k, v = self.attn.project(rms_norm(h, self.input_norm.weight, self.eps), cos, sin, lora)
+        kv_write(k_pages, v_pages, write_index, k, v)
+        return q, k, v
+
+    def residuals(
+        self, h: torch.Tensor, attn: torch.Tensor, lora: LoraBatch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After attention: the hidden state with the attention output added, and the MLP's output
+        (the layer's result is their sum)."""
+        h = h + self.attn.o(attn, lora)
+        return h, self.mlp(rms_norm(h, self.post_attn_norm.weight, self.eps), lora)
 
 
 class LlamaModel(nn.Module):
@@ -223,17 +260,12 @@ class LlamaModel(nn.Module):
     def pre_attention(self, i: int, h, cos, sin, write_index: torch.Tensor, cache: KVCache, lora=None):
         """Layer i up to attention: norm, QKV, rope; stores this step's K/V (at the cache's
         `write_index` of each token); returns q, k, v. `lora`: the call's LoraBatch, or None."""
-        block = self.layers[i]
-        x = rms_norm(h, block.input_norm.weight, self.cfg.rms_norm_eps)
-        q, k, v = block.attn.project(x, cos, sin, lora)
-        cache.write(i, write_index, k, v)
-        return q, k, v
+        return self.layers[i].attention_inputs(h, cos, sin, write_index, *cache.layer(i), lora)
 
     def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor, lora=None) -> torch.Tensor:
         """Layer i after attention: output projection, residual, MLP, residual."""
-        block = self.layers[i]
-        h = h + block.attn.o(attn, lora)
-        return h + block.mlp(rms_norm(h, block.post_attn_norm.weight, self.cfg.rms_norm_eps), lora)
+        h, mlp_out = self.layers[i].residuals(h, attn, lora)
+        return h + mlp_out
 
     def decode(
         self,
@@ -246,15 +278,59 @@ class LlamaModel(nn.Module):
         """One token per row: tokens/positions/slot_ids of shape (rows,) -> logits (rows, vocab).
         Each row attends to its own slot's pages, positions 0..position (inclusive, windowed if set).
         `adapters` (rows,) names each row's LoRA slot; None runs the plain model."""
-        window = self.cfg.sliding_window
-        meta = self.attention_backend.prepare(cache, positions, window)
-        index = cache.write_index(slot_ids, positions)
-        lora = self._lora_batch(adapters)
+        return self.decode_by(self, tokens, positions, slot_ids, cache, adapters)
+
+    def decode_by(
+        self,
+        parts: DecodeParts,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor,
+        cache: KVCache,
+        adapters: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decode step run by `parts`: this model's own `decode_start`, `decode_layer` and
+        `decode_end`, or their compiled forms (`compiled_step.py` compiles one layer for all layers)."""
+        h, delta, cos, sin, index, plan = parts.decode_start(tokens, positions, slot_ids, cache)
+        for i, block in enumerate(self.layers):
+            h, delta = parts.decode_layer(
+                block, h, delta, cos, sin, index, *cache.layer(i), cache, slot_ids, plan, adapters
+            )
+        return parts.decode_end(h, delta)
+
+    def decode_start(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, cache: KVCache):
+        """What every layer of a decode step reads: hidden states, a zero residual delta (see
+        `decode_layer`), rope rows, where each row's K/V goes, and the attention backend's plan."""
         h, cos, sin = self.embed_tokens(tokens, positions)
-        for i in range(len(self.layers)):
-            q, _, _ = self.pre_attention(i, h, cos, sin, index, cache, lora)
-            h = self.post_attention(i, h, self.attention_backend(q, cache, i, slot_ids, meta, window), lora)
-        return self.logits(h)
+        plan = self.attention_backend.prepare(cache, positions, self.cfg.sliding_window)
+        return h, torch.zeros_like(h), cos, sin, cache.write_index(slot_ids, positions), plan
+
+    def decode_layer(
+        self,
+        block: Block,
+        h: torch.Tensor,
+        delta: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        cache: KVCache,
+        slot_ids: torch.Tensor,
+        plan: object,
+        adapters: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of the decode step, from the layer before's two residual terms (h + delta) to
+        its own: the MLP's output stays unadded, so the sum runs with the next layer's norm (one
+        kernel, as in a graph of the whole step) though each layer is compiled apart."""
+        h, lora = h + delta, self._lora_batch(adapters)
+        q, _, _ = block.attention_inputs(h, cos, sin, index, k_pages, v_pages, lora)
+        attn = self.attention_backend(q, k_pages, v_pages, cache, slot_ids, plan, self.cfg.sliding_window)
+        return block.residuals(h, attn, lora)
+
+    def decode_end(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual sum and the logits."""
+        return self.logits(h + delta)
 
     def prefill(
         self,
