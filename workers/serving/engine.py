@@ -152,13 +152,17 @@ def make_runners(model: LlamaModel, cache: KVCache, config: EngineConfig) -> Ste
 
 
 def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | None = None):
-    """(model, tokenizer, eos ids, revision) for the checkpoint the config names."""
+    """(model, tokenizer, eos ids, revision) for the checkpoint the config names. The tokenizer loads
+    in a thread while the weights are read and copied (importing transformers and parsing a
+    tokenizer is a second or two of a warm start that needs the device for nothing)."""
     model_dir = resolve_model_dir(config.model)
     cfg = load_config(model_dir)
     max_len = min(config.max_model_len, cfg.max_position_embeddings)
     dtype = DTYPES[config.dtype] if config.dtype else None
-    model = load_model(model_dir, max_len, device, dtype, tp=tp)
-    tokenizer = load_tokenizer(model_dir)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, model_dir)
+        model = load_model(model_dir, max_len, device, dtype, tp=tp)
+        tokenizer = tokenizer.result()
     return model, tokenizer, eos_ids(cfg, tokenizer), config.model_revision or model_revision(model_dir)
 
 
