@@ -1,6 +1,7 @@
 """Compile once, capture every bucket (CUDA, the default tiny model in fp32, Triton attention): with
-compile on, dynamo compiles the decode step once whatever the ladder's length (one graph for every
-size, 1 included; a LoRA runner adds a graph per side of its kernels' row limit), every
+compile on, dynamo compiles the decode step's three parts once whatever the ladder's length (start,
+one layer for every layer, end: a graph each for every size, 1 included; a LoRA runner adds a layer
+graph per side of its kernels' row limit), every
 bucket is captured and reported compiled, replays bit for bit what the compiled step computes and
 agrees with the plain eager step on fresh random inputs, and greedy tokens at odd batch sizes equal
 the uncompiled engine's. The compile cache lands in its keyed subdirectory."""
@@ -78,9 +79,9 @@ def check_bucket(engine: LLMEngine, runner, bucket: int) -> None:
 def test_the_step_compiles_once_whatever_the_ladder(buckets, tmp_path):
     engine = compiled_engine(buckets, compile_cache_dir=str(tmp_path))
     runner = engine.runner
-    assert runner.graphs == 1  # every size shares one graph, 1 included
+    assert runner.graphs == 3  # the step's start, one layer, its end: every size shares each, 1 included
     status = engine.status()
-    assert status.startup["compiled_graphs"] == 1 and status.startup["phases"]["compile"] > 0
+    assert status.startup["compiled_graphs"] == 3 and status.startup["phases"]["compile"] > 0
     assert runner.table.ready == set(buckets)
     assert all(
         status.buckets[runner.bucket_id(b)]["ready"] and status.buckets[runner.bucket_id(b)]["compiled"]
@@ -105,7 +106,8 @@ def test_compiled_tokens_at_odd_batch_sizes_equal_uncompiled_eager():
 def test_lora_runner_adds_a_graph_per_side_of_the_kernel_row_limit():
     buckets = (1, 2, 8, MAX_ROWS, 2 * MAX_ROWS)
     engine = compiled_engine(buckets, lora=LoraLimits(max_loras=2, max_lora_rank=8))
-    assert engine.runner.graphs == 1
-    assert engine.runners.lora.graphs == 2  # sizes up to MAX_ROWS (kernels), sizes above (matmul form)
-    assert engine.runners.lora.table.ready == set(buckets) and engine.status().startup["compiled_graphs"] == 3
+    assert engine.runner.graphs == 3
+    # its layer, sizes up to MAX_ROWS (kernels) and sizes above (matmul form); start and end are shared
+    assert engine.runners.lora.graphs == 2
+    assert engine.runners.lora.table.ready == set(buckets) and engine.status().startup["compiled_graphs"] == 5
     check_fresh_inputs(engine, engine.runners.lora)

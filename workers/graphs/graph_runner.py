@@ -77,9 +77,10 @@ def initial_table(
 def allow_compiled_shapes(shapes: int) -> None:
     """Room for `shapes` more compiled graphs of the decode step in this process. Dynamo keeps at most
     `recompile_limit` compiled versions of one function (8 by default, shared by every runner in the
-    process) and past it runs the function uncompiled without saying so. A runner needs 1-2 graphs
-    (`compiled_step.py`) and never more than one per bucket, so it raises the limit by its number of
-    buckets, and past it dynamo raises instead: a bucket either runs compiled or startup fails."""
+    process) and past it runs the function uncompiled without saying so. A runner compiles each
+    part of the step (`compiled_step.py`) once or twice, never more than once per bucket, so it
+    raises the limit by its number of buckets, and past it dynamo raises instead: a bucket either
+    runs compiled or startup fails."""
     torch._dynamo.config.recompile_limit += shapes
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
@@ -125,7 +126,7 @@ class GraphRunner(CapturedBuckets):
         """Capture (and run eagerly at captured buckets) the decode step compiled once for every
         bucket (`compiled_step.py`); warm-up compiles it."""
         allow_compiled_shapes(len(self.table.buckets))
-        self.model_runner.step_fn = CompiledStep(self.model.decode)
+        self.model_runner.step_fn = CompiledStep(self.model)
         self.compiled = True
 
     @property
@@ -294,7 +295,7 @@ class GraphRunner(CapturedBuckets):
     def warmup(self) -> None:
         """Run every bucket's step twice (on a side stream on CUDA) so lazy initialisation,
         autotuning and compilation happen before capture. The first round, largest bucket first,
-        compiles (one graph for every size, see `compiled_step.py`); in the second nothing may
+        compiles (graphs every size shares, see `compiled_step.py`); in the second nothing may
         compile, so a bucket left without a compiled graph fails start-up here."""
         stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         if stream:
