@@ -54,11 +54,11 @@ def bench_model(name: str, max_model_len: int, device: str) -> LlamaModel:
     return load_model(path, max_model_len, device)
 
 
-def make_engine(model: LlamaModel, caching: bool, max_num_seqs: int) -> LLMEngine:
+def make_engine(model: LlamaModel, caching: bool, max_num_seqs: int, compile: bool) -> LLMEngine:
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_model_len=model.max_model_len,
-        graph_policy=GraphPolicy(compile=False),
+        graph_policy=GraphPolicy(compile=compile),
         enable_prefix_caching=caching,
     )
     return LLMEngine(model, config)
@@ -133,12 +133,12 @@ def run_config(name: str, args: argparse.Namespace) -> tuple[dict, list[dict]]:
     history = SYSTEM_TOKENS + args.turns * (USER_TOKENS + ANSWER_TOKENS)
     max_model_len = max(args.prefix_tokens + args.suffix_tokens + 8, history + 8)
     model = bench_model(name, max_model_len, args.device)
-    on = make_engine(model, True, max(args.max_num_seqs, args.conversations))
+    on = make_engine(model, True, max(args.max_num_seqs, args.conversations), args.compile)
     row = ttft_row(name, on, args.prefix_tokens, args.suffix_tokens, args.repeats)
     with_cache = multi_turn(on, args.conversations, args.turns)
     del on  # its KV pool goes before the next engine sizes its own from free memory
     free_device_memory(args.device)
-    without = make_engine(model, False, max(args.max_num_seqs, args.conversations))
+    without = make_engine(model, False, max(args.max_num_seqs, args.conversations), args.compile)
     without = multi_turn(without, args.conversations, args.turns)
     turns = [
         {
@@ -168,7 +168,7 @@ def markdown(meta: dict, rows: list[dict], turns: list[dict]) -> str:
         "",
         f"{meta['device']}, torch {meta['torch']}; suffix {meta['suffix_tokens']} tokens, median of "
         f"{meta['repeats']} pairs; page {meta['page_size']} tokens; cached attention: {meta['cached_attention']}; "
-        f"max_num_seqs {meta.get('max_num_seqs', 16)}",
+        f"max_num_seqs {meta.get('max_num_seqs', 16)}, compile {meta.get('compile', False)}",
         "",
         "| config | prefix tokens | TTFT cached (ms) | TTFT uncached (ms) | cached / uncached (target <= 0.25) |",
         "|---|---|---|---|---|",
@@ -215,6 +215,7 @@ def main() -> None:
         default="rule",
         help="flash: never the paged kernel for a prefill over a cached context (the engine's rule picks otherwise)",
     )
+    ap.add_argument("--compile", action="store_true", help="compile the decode step, as the GPU defaults do")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -237,6 +238,7 @@ def main() -> None:
         "page_size": EngineConfig().kv_page_size,
         "cached_attention": args.cached_attention,
         "max_num_seqs": args.max_num_seqs,
+        "compile": args.compile,
     }
     write_report(args.out, {"meta": meta, "ttft": rows, "multi_turn": turns}, markdown(meta, rows, turns))
 
