@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import workers.serving.engine
@@ -167,6 +168,31 @@ def test_graph_replays_with_adapters_equal_eager(tiny, adapters, monkeypatch):
     prefills = {(p["execution_mode"], p["bucket_id"]) for p in graphs.stats.snapshot()["prefill_step_parts"]}
     assert prefills == {("eager", "none"), ("cuda_graph", "lora_decode_bs_4")}  # 12 tokens together; 4 alone
     assert graphs.runners.lora.replayed[4] > 0 and graphs.stats.adapter_tokens == {"all": 12, "mlp": 12, "attn": 12}
+
+
+def test_compiled_lora_rows_share_the_layer_graph_and_equal_eager(tiny, adapters, monkeypatch, tmp_path):
+    """Compiled by layer (CPU, inductor's C++ backend): the LoRA runner reuses the plain runner's
+    compiled start and end and adds at most one layer graph per side of a row-count guard, since its
+    layers' MLP outputs (views into a wider GEMM output) are packed so that the first layer's zero
+    delta and the others share one; and it decodes what an uncompiled eager engine decodes."""
+
+    def runner(model, cache, policy, lora=False, prefill_buckets=()):
+        compiled = EagerGraphRunner(model, cache, policy, lora=lora, prefill_buckets=prefill_buckets)
+        compiled.use_compiled_step()
+        return compiled
+
+    monkeypatch.setattr(workers.serving.engine, "GraphRunner", runner)
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the engine sets them: put back after
+        monkeypatch.delenv(variable, raising=False)
+    torch._dynamo.reset()  # graphs other tests compiled for these code objects would be reused, not counted
+    requests = list(zip(PROMPTS[:3], ["all", None, "mlp"], strict=True))
+    policy = GraphPolicy(decode_batch_buckets=(1, 2, 4), compile=True)
+    compiled = lora_engine(tiny, graph_policy=policy, compile_cache_dir=str(tmp_path))
+    got = run(compiled, requests, adapters)
+    monkeypatch.undo()
+    assert compiled.runner.graphs == 3 and 1 <= compiled.runners.lora.graphs <= 2
+    assert compiled.runners.lora.replayed[4] > 0
+    assert got == run(lora_engine(tiny), requests, adapters)
 
 
 def broken(adapters: dict[str, str], tmp_path, change) -> str:
