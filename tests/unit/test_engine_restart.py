@@ -119,12 +119,12 @@ async def test_dead_reader_makes_the_engine_dead_and_ends_streams(tiny):
     exits = []
     process = EngineProcess(config(tiny), tiny.tokenizer, on_exit=exits.append)
     try:
-        stream = aiter(process.submit([BOS, 4], LONG, "victim"))
 
         def broken_emit(events):
             raise RuntimeError("Event loop is closed")
 
-        process._emit = broken_emit
+        process._emit = broken_emit  # before the request: its first events must not be handed on first
+        stream = aiter(process.submit([BOS, 4], LONG, "victim"))
         with pytest.raises(EngineDeadError, match="reader failed"):
             await asyncio.wait_for(anext(stream), 30)
         await until(lambda: exits, 10, "on_exit to be called")
