@@ -25,6 +25,7 @@ import workers.front.shard_worker
 import workers.serving.engine
 from policies.graph_policy import GraphPolicy
 from tests.unit.graph_faults import EagerGraphRunner, nan_at_argmax
+from workers.graphs.compiled_step import CompiledStep, graphs_compiled
 from workers.modeling.default_model import default_model_dir
 from workers.serving.engine import LLMEngine, load_for_engine
 from workers.serving.engine_config import EngineConfig
@@ -95,6 +96,40 @@ def _start_and_serve(rank: int, port: int, model_dir: str) -> dict:
     parts = engine.stats.snapshot()["decode_step_parts"]
     parts = {(p["execution_mode"], p["bucket_id"], p["fallback_reason"]) for p in parts}
     return {"report": engine.runner.report(), "replayed": dict(engine.runner.replayed), "parts": parts}
+
+
+def _compiled_against_eager(rank: int, port: int, model_dir: str) -> dict:
+    """This rank's shard in fp32, its decode step compiled by layer (inductor's C++ backend; an
+    all-reduce inside every layer graph) against its plain eager step, on the same fresh random
+    inputs and KV on both ranks, at 8, 3 and 1 rows."""
+    cpu = torch.device("cpu")
+    config = EngineConfig(model=model_dir, max_num_seqs=8, max_model_len=64, device="cpu", dtype="float32")
+    tp = init_tp_group(rank, 2, f"tcp://127.0.0.1:{port}", cpu, timeout_s=TIMEOUT_S)
+    model, _, _, _ = load_for_engine(config, cpu, tp)
+    cache, step = model.make_kv_cache(8), CompiledStep(model)
+    generator = torch.Generator().manual_seed(0)
+    differences, sums = {}, {}
+    with torch.inference_mode():
+        for rows in (8, 3, 1):
+            tokens = torch.randint(0, 256, (rows,), generator=generator)
+            positions = torch.randint(0, 64, (rows,), generator=generator)
+            slots = torch.randperm(8, generator=generator)[:rows]
+            cache.k.normal_(generator=generator)
+            cache.v.normal_(generator=generator)
+            eager = model.decode(tokens, positions, slots, cache)
+            compiled = step(tokens, positions, slots, cache)
+            differences[rows] = ((compiled - eager).abs().max() / eager.abs().max()).item()
+            sums[rows] = compiled.double().sum().item()
+    return {"differences": differences, "sums": sums, "graphs": graphs_compiled()}
+
+
+def test_the_step_compiled_by_layer_equals_eager_on_both_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path))
+    results = start_two_ranks(str(default_model_dir()), work=_compiled_against_eager)
+    for rank in (0, 1):
+        assert results[rank]["graphs"] == 3, rank  # start, layer, end: every row count and layer shares each
+        assert all(d < 1e-5 for d in results[rank]["differences"].values()), results[rank]["differences"]
+    assert results[0]["sums"] == results[1]["sums"]  # the logits are gathered whole on every rank
 
 
 def rank_engine(rank: int, port: int, cfg: EngineConfig) -> LLMEngine | None:
