@@ -10,7 +10,7 @@ stay static shapes, and a shape that changes anywhere but the rows means a new c
 generic graph.
 
 Compiled whole, the step is a graph of every layer, and inductor's time grows with the depth (30 s of
-the 1B's 16 layers, 80 s of the 8B's 32 on the H200). Compiled by region (`LlamaModel.decode_by`),
+the 1B's 16 layers, 80 s of the 8B's 32 on the H200). Compiled by region (`LlamaModel.decode`'s parts),
 the step is three graphs: its start, one layer, which dynamo compiles once and every layer runs (the
 layer's weights and KV pools are inputs, not constants), and its end. A layer hands on its MLP output
 unadded, so the residual sum still runs inside the next layer's norm kernel, as in the whole graph.
@@ -42,7 +42,7 @@ ROWS = 0  # the dimension of a per-row input that varies with the bucket
 
 
 class CompiledStep:
-    """The model's decode step (`LlamaModel.decode_by`) with each of its three parts compiled by
+    """The model's decode step (`LlamaModel.decode`) with each of its three parts compiled by
     inductor with a dynamic row count: the start (embedding, rope rows, write positions, attention
     plan), one layer, which every layer runs, and the end (last residual, logits). Inductor's own
     CUDA graphs stay off: the graph runner captures the compiled step itself, one graph per bucket."""
@@ -63,7 +63,7 @@ class CompiledStep:
         adapters: torch.Tensor | None = None,
     ) -> torch.Tensor:
         with fx_config.patch(backed_size_oblivious=True):
-            return self.model.decode_by(self, tokens, positions, slot_ids, cache, adapters)
+            return self.model.decode(tokens, positions, slot_ids, cache, adapters, parts=self)
 
     def decode_start(self, tokens, positions, slot_ids, cache: KVCache) -> tuple:
         return self._start(*rows_dynamic(tokens, positions, slot_ids), cache)

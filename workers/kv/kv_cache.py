@@ -86,10 +86,6 @@ class KVCache:
         """One layer's K and V pools, (num_pages, page_size, kv_heads, head_dim) views each."""
         return self.k[layer], self.v[layer]
 
-    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v of shape (tokens, kv_heads, head_dim) at their `write_index` positions."""
-        kv_write(self.k[layer], self.v[layer], index, k, v)
-
     def read(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of shape (len(index), kv_heads, head_dim) stored at these flattened pool positions."""
         return self.k[layer].flatten(0, 1)[index], self.v[layer].flatten(0, 1)[index]

@@ -69,7 +69,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecodeParts(Protocol):
-    """The three parts of a decode step (`LlamaModel.decode_by`): the model's own, or compiled."""
+    """The three parts of a decode step (`LlamaModel.decode`): the model's own, or compiled."""
 
     def decode_start(self, tokens, positions, slot_ids, cache: KVCache) -> tuple: ...
 
@@ -274,23 +274,14 @@ class LlamaModel(nn.Module):
         slot_ids: torch.Tensor,
         cache: KVCache,
         adapters: torch.Tensor | None = None,
+        parts: DecodeParts | None = None,
     ) -> torch.Tensor:
         """One token per row: tokens/positions/slot_ids of shape (rows,) -> logits (rows, vocab).
         Each row attends to its own slot's pages, positions 0..position (inclusive, windowed if set).
-        `adapters` (rows,) names each row's LoRA slot; None runs the plain model."""
-        return self.decode_by(self, tokens, positions, slot_ids, cache, adapters)
-
-    def decode_by(
-        self,
-        parts: DecodeParts,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        slot_ids: torch.Tensor,
-        cache: KVCache,
-        adapters: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The decode step run by `parts`: this model's own `decode_start`, `decode_layer` and
-        `decode_end`, or their compiled forms (`compiled_step.py` compiles one layer for all layers)."""
+        `adapters` (rows,) names each row's LoRA slot; None runs the plain model. `parts` runs the
+        step's `decode_start`, `decode_layer` (once per layer) and `decode_end`: this model's own
+        (None), or their compiled forms (`compiled_step.py` compiles one layer for all layers)."""
+        parts = self if parts is None else parts
         h, delta, cos, sin, index, plan = parts.decode_start(tokens, positions, slot_ids, cache)
         for i, block in enumerate(self.layers):
             h, delta = parts.decode_layer(
