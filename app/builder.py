@@ -8,24 +8,13 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from app.config import AppConfig
+from app.config import AppConfig, use_gpu
 from app.ingress import Ingress
 from app.replica import LLMReplica
 
 HEALTH_CHECK_PERIOD_S = 5.0
 # Serve's power of two choices, except that a request failing over never goes back to a replica that failed it.
 FAILOVER_ROUTER = RequestRouterConfig(request_router_class="app.failover.FailoverRouter")
-
-
-def use_gpu(config: AppConfig) -> bool:
-    if config.accelerator != "auto":
-        return config.accelerator == "gpu"
-    import ray
-    import torch
-
-    if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return torch.cuda.is_available()
 
 
 def deployment(args: dict) -> Application:

@@ -418,3 +418,17 @@ def admin_tokens_from_env(config: AppConfig) -> dict[str, str]:
             f"an admin token is also an API key in {config.api_keys_env}; give operators tokens of their own"
         )
     return tokens
+
+
+def use_gpu(config: AppConfig) -> bool:
+    """Whether `config` runs on GPUs: its accelerator, or with "auto" whether the Ray cluster (or,
+    outside Ray, this machine) has one."""
+    if config.accelerator != "auto":
+        return config.accelerator == "gpu"
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()

@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from workers.protocol import ChoiceChunk, LogprobItem
-from workers.serving.grammar import JSON_OBJECT, InvalidSchema, canonical_schema, grammar_of
+from workers.serving.json_schema import JSON_OBJECT, InvalidSchema, canonical_schema, grammar_of
 from workers.serving.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 STOP_MAX_CHARS = 512  # the longest stop string accepted (characters); docs/api.md says so

@@ -19,27 +19,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import torch
 from jinja2 import TemplateError
 from ray import serve
 
-from app.config import AppConfig
+from app.config import AppConfig, use_gpu
 from app.controller import ControllerClient, GraphController
 from app.failover import continuation
 from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
+from policies.lora_slots import LoraLimits
 from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.front.async_engine import EngineDeadError, RequestFailed
 from workers.front.engine_process import EngineChild
-from workers.modeling.lora import LoraLimits
 from workers.protocol import (
     ChoiceChunk,
     Coalescing,
     Engine,
     EngineRequest,
+    EngineStatus,
     Failure,
     GenerateRequest,
     Item,
@@ -49,7 +49,6 @@ from workers.protocol import (
     decode_request,
     encode,
 )
-from workers.serving.engine import EngineStatus
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull
@@ -655,7 +654,7 @@ def make_engine(config: AppConfig, child: EngineChild | None = None) -> Engine:
         return LocalEngine(engine_config(config), budget, config.engine_timeout_s, config.engine_start_timeout_s, child)
     if child is not None:
         child.discard()
-    gpu = config.accelerator == "gpu" or (config.accelerator == "auto" and torch.cuda.is_available())
+    gpu = use_gpu(config)
     return ShardGroup(
         engine_config(config),
         config.tensor_parallel_size,

@@ -25,13 +25,10 @@ from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.front.async_engine import EngineDeadError
 from workers.front.engine_process import EngineChild, EngineProcess
-from workers.front.shard_worker import ShardWorker
-from workers.modeling.checkpoint import load_tokenizer
+from workers.modeling.checkpoint_dir import load_tokenizer
 from workers.modeling.default_model import model_dir
-from workers.protocol import CheckAdapter, EngineRequest, Gate, StreamEvent, SwapInPlace
-from workers.serving.engine import EngineStatus
+from workers.protocol import CheckAdapter, EngineRequest, EngineStatus, Gate, StreamEvent, SwapInPlace
 from workers.serving.engine_config import EngineConfig
-from workers.serving.model_gate import same_shapes
 
 log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0
@@ -51,7 +48,11 @@ def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
         )
         == old
     )
-    return same_settings and same_shapes(Path(old.model), Path(new.model))
+    if not same_settings:
+        return False
+    from workers.serving.model_gate import same_shapes  # imports torch: a replica does only when it swaps
+
+    return same_shapes(Path(old.model), Path(new.model))
 
 
 class LocalEngine:
@@ -259,6 +260,8 @@ class ShardGroup:
         self.tokenizer = load_tokenizer(model_dir(config.model))
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         group = get_current_placement_group()
+        from workers.front.shard_worker import ShardWorker  # the engine's imports, torch among them
+
         actor = ray.remote(ShardWorker)
         self.shards = []
         for rank in range(self.world_size):

@@ -22,7 +22,7 @@ BUCKETS = (1, 8, 32, 64, 128, 256)
 def start_once(config: str, max_model_len: int, cache_dir: str) -> dict:
     """One engine start with compile in this process: its compile and startup seconds."""
     from policies.graph_policy import GraphPolicy
-    from workers.modeling.default_model import random_model
+    from workers.modeling.synthetic import random_model
     from workers.serving.engine import LLMEngine
     from workers.serving.engine_config import EngineConfig
 

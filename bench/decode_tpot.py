@@ -44,10 +44,11 @@ from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy
 from workers.model_runner.step_inputs import DecodeInputs
 from workers.modeling.config import parse_config
-from workers.modeling.default_model import BENCH_CONFIGS, random_model
+from workers.modeling.synthetic import BENCH_CONFIGS, random_model
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
-from workers.serving.sampling import SamplingParams, sample
+from workers.serving.sampling import SamplingParams
+from workers.serving.sampling_ops import sample
 
 PROMPT_LEN = 128
 TENANT_DISABLED = FallbackReason.TENANT_DISABLED

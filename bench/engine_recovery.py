@@ -35,7 +35,7 @@ def engine_pids() -> set[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if b"workers.front.engine_process" in (proc / "cmdline").read_bytes().split(b"\0"):
+                if b"workers.front.engine_main" in (proc / "cmdline").read_bytes().split(b"\0"):
                     pids.add(int(proc.name))
             except OSError:
                 continue
@@ -141,7 +141,7 @@ def main() -> None:
         "controller_state_path": str(tmp / "state.json"),
     }
     if args.config != "tiny":
-        from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
+        from workers.modeling.synthetic import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
 
         model_dir = tmp / f"llama-{args.config}-random"
         write_checkpoint(model_dir, BENCH_CONFIGS[args.config], build_byte_tokenizer(), seed=0)

@@ -26,8 +26,8 @@ import torch
 from bench.decode_tpot import percentile, timed_steps
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
-from workers.modeling.default_model import random_model, write_random_adapter
-from workers.modeling.lora import LoraLimits
+from policies.lora_slots import LoraLimits
+from workers.modeling.synthetic import random_model, write_random_adapter
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

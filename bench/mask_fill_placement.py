@@ -39,7 +39,8 @@ from bench.structured_output import (
 )
 from workers.serving import batch_sampler
 from workers.serving.engine import LLMEngine
-from workers.serving.grammar import Grammar, MaskFiller, canonical_schema
+from workers.serving.grammar import Grammar, MaskFiller
+from workers.serving.json_schema import canonical_schema
 from workers.serving.sampling import SamplingParams
 
 ALWAYS, NEVER = 1, 1 << 30  # AHEAD_MIN_ROWS that fill every batch ahead, or none

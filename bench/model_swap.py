@@ -23,7 +23,7 @@ import torch
 
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
-from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
+from workers.modeling.synthetic import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import run_gate, swap_weights_in_place

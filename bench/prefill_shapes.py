@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from workers.modeling.default_model import random_model
+from workers.modeling.synthetic import random_model
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

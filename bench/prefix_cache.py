@@ -36,8 +36,8 @@ from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.kv import prefill_attention
 from workers.modeling.checkpoint import load_model
-from workers.modeling.default_model import random_model, tiny_hf_config, write_checkpoint
 from workers.modeling.model import LlamaModel
+from workers.modeling.synthetic import random_model, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

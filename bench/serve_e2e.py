@@ -48,7 +48,7 @@ STAGE_LOGS = {"proxy": "proxy_*.log", "ingress": "replica_*_Ingress_*.log", "rep
 
 
 def write_model(path: Path) -> None:
-    from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
+    from workers.modeling.synthetic import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
 
     write_checkpoint(path, BENCH_CONFIGS["1b"], build_byte_tokenizer(), seed=0)
 

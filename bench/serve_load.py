@@ -228,7 +228,7 @@ def serve_pids(every: bool = False) -> dict:
     pids: dict[str, list[int]] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "workers.front.engine_process" in cmd:
+        if "workers.front.engine_main" in cmd:
             pids.setdefault("engine", []).append(p.info["pid"])
         for role, title in PROCESS_TITLES.items():
             if cmd.startswith("ray::") and title in cmd.split(" ")[0]:
@@ -416,7 +416,7 @@ def main() -> None:
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
 
     from policies.graph_policy import GraphPolicy
-    from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, tiny_hf_config, write_checkpoint
+    from workers.modeling.synthetic import BENCH_CONFIGS, build_byte_tokenizer, tiny_hf_config, write_checkpoint
     from workers.serving.engine import LLMEngine
     from workers.serving.engine_config import EngineConfig
 

@@ -22,7 +22,7 @@ import torch
 from bench.decode_tpot import long_context_tpot, percentile, seeded_decode_batch
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
-from workers.modeling.default_model import random_model
+from workers.modeling.synthetic import random_model
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 

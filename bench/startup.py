@@ -52,7 +52,7 @@ def child(*args: str) -> dict:
 
 
 def write_model(config: str, path: Path) -> None:
-    from workers.modeling.default_model import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
+    from workers.modeling.synthetic import BENCH_CONFIGS, build_byte_tokenizer, write_checkpoint
 
     write_checkpoint(path, BENCH_CONFIGS[config], build_byte_tokenizer(), seed=0, device="cuda")
 
@@ -163,7 +163,7 @@ def tpot_once(config: str, variant: str, steps: int) -> dict:
     from bench.decode_tpot import long_context_tpot
     from policies.graph_policy import GraphPolicy
     from workers.graphs import graph_runner
-    from workers.modeling.default_model import random_model
+    from workers.modeling.synthetic import random_model
     from workers.serving.engine import LLMEngine
     from workers.serving.engine_config import EngineConfig
 

@@ -16,8 +16,7 @@ import timeit
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
-from workers.protocol import StepOutputs, decode_step, encode_step
-from workers.serving.engine import TokenEvent
+from workers.protocol import StepOutputs, TokenEvent, decode_step, encode_step
 from workers.serving.sampling import TokenLogprob
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from app.openai_protocol import STOP_MAX_CHARS
-from workers.modeling.default_model import build_byte_tokenizer
+from workers.modeling.synthetic import build_byte_tokenizer
 from workers.serving.detokenizer import IncrementalDetokenizer
 
 SENTENCE = "The quick brown fox jumps over the lazy dog; "

@@ -58,12 +58,14 @@ import torch
 from bench.json_schemas import DOCUMENTS
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
-from workers.modeling.default_model import random_model, smollm2_file
+from workers.modeling.default_model import smollm2_file
+from workers.modeling.synthetic import random_model
 from workers.serving import batch_sampler
 from workers.serving import grammar as grammar_module
 from workers.serving.engine import LLMEngine, resolve_device
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import GrammarCompiler, MaskFiller, canonical_schema
+from workers.serving.grammar import GrammarCompiler, MaskFiller
+from workers.serving.json_schema import canonical_schema
 from workers.serving.sampling import SamplingParams
 
 PROMPT_LEN = 128

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from bench.decode_tpot import PROMPT_LEN, engine_tpot, percentile
 from policies.graph_policy import GraphPolicy
 from workers.front.shard_worker import prepare_follower
-from workers.modeling.default_model import random_model
+from workers.modeling.synthetic import random_model
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group

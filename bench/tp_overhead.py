@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bench.decode_tpot import PROMPT_LEN, engine_tpot, percentile
-from workers.modeling.default_model import random_model
+from workers.modeling.synthetic import random_model
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.tensor_parallel.tp import StepChannel, init_tp_group

@@ -17,6 +17,15 @@ AdapterKey = tuple[str, str]  # (name, path): re-registering a name with a new p
 
 
 @dataclass(frozen=True)
+class LoraLimits:
+    """The slots a server allocates at start (`lora:` in its config); an adapter must fit them."""
+
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    target_modules: tuple[str, ...] = LORA_TARGETS
+
+
+@dataclass(frozen=True)
 class Grant:
     slot: int
     load: bool  # the slot does not hold the adapter yet: copy it in (and verify it) before use

@@ -1,6 +1,6 @@
 """Chat templates the tests serve or tokenize with."""
 
-from workers.modeling.default_model import CHAT_TEMPLATE
+from workers.modeling.synthetic import CHAT_TEMPLATE
 
 ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
 # The tiny model's template behind the check many real templates (Llama 2, Mistral) make.

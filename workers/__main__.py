@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from policies.lora_slots import LoraLimits
 from workers.front.async_engine import AsyncEngine
 from workers.modeling.config import CheckpointError
-from workers.modeling.lora import LoraLimits
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams

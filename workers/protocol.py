@@ -15,6 +15,9 @@ Below the engine's front, the step loop (a thread, or the engine child process) 
 `Command` at a time between steps and answers with one `StepOutputs` per step for all its
 requests; the child process also answers `Question`s and says `Ready` or `Failed` (`ChildMessage`).
 A `StepOutputs` crosses from the child as msgpack rows (`encode_step`, `decode_step`), the rest pickled.
+
+Nothing this module imports imports torch: the ingress, the controller and the replica import it,
+and only the engine process needs torch (`tests/unit/test_light_imports.py`).
 """
 
 from __future__ import annotations
@@ -23,16 +26,19 @@ import concurrent.futures
 import pickle
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
 from policies.dispatch import FallbackReason
 from workers.serving.detokenizer import DetokState
-from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
 from workers.serving.engine_config import EngineConfig
+from workers.serving.outputs import EngineStatus, TokenEvent
 from workers.serving.sampling import SamplingParams, TokenLogprob
 from workers.serving.scheduler import RequestLimits, Sequence
+
+if TYPE_CHECKING:
+    from workers.serving.engine import LLMEngine
 
 
 class Continuation(msgspec.Struct, frozen=True, array_like=True):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from policies.graph_policy import GraphPolicy
+from policies.lora_slots import LoraLimits
 from tests.gpu.test_graph_runner import make_engine, requests, run
 from workers.graphs.compile_cache import KEY_FILE
-from workers.modeling.lora import LoraLimits
 from workers.modeling.lora_kernels import MAX_ROWS
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig

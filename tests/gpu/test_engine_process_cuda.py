@@ -9,7 +9,7 @@ import pytest
 
 from policies.graph_policy import GraphPolicy
 from workers.front.engine_process import EngineProcess
-from workers.modeling.checkpoint import load_tokenizer
+from workers.modeling.checkpoint_dir import load_tokenizer
 from workers.modeling.default_model import default_model_dir
 from workers.protocol import Coalescing
 from workers.serving.engine import LLMEngine

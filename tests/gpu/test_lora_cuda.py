@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from policies.graph_policy import GraphPolicy
+from policies.lora_slots import LoraLimits
 from tests.gpu.test_graph_runner import requests
 from tests.lora_adapters import adapter_for
 from workers.graphs.graph_runner import GraphRunner
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.modeling.lora import LoraLimits
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 

@@ -14,7 +14,7 @@ import torch
 from policies.dispatch import FallbackReason
 from policies.graph_policy import GraphPolicy
 from tests.gpu.test_graph_runner import requests, run
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving import model_gate
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig

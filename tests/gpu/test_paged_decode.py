@@ -26,7 +26,7 @@ from tests.gpu.test_graph_runner import (
 )
 from workers.kv import paged_attention
 from workers.kv.paged_attention import WorkConfig
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

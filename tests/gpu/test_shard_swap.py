@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from policies.graph_policy import GraphPolicy
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.protocol import EngineRequest
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig

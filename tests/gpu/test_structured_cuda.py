@@ -16,8 +16,9 @@ from workers.serving import token_mask
 from workers.serving.batch_sampler import BitmaskBuffers
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import canonical_schema
-from workers.serving.sampling import SamplingParams, apply_token_bitmask
+from workers.serving.json_schema import canonical_schema
+from workers.serving.sampling import SamplingParams
+from workers.serving.sampling_ops import apply_token_bitmask
 
 pytestmark = pytest.mark.gpu
 SCHEMA = {

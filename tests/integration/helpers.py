@@ -304,7 +304,7 @@ def write_slow_checkpoint(path: Path, seed: int = 7) -> Path:
     to disconnect from one mid-flight; the tiny model finishes 250 tokens in ~0.1 s."""
     from safetensors.torch import load_file, save_file
 
-    from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+    from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 
     tokenizer = build_byte_tokenizer()
     hidden = 512

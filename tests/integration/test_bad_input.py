@@ -18,7 +18,7 @@ import pytest
 from app.openai_protocol import STOP_MAX_CHARS
 from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
 from tests.integration.helpers import assert_openai_error, openai_client, running_app
-from workers.modeling.default_model import TINY_SEED, build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import TINY_SEED, build_byte_tokenizer, tiny_hf_config, write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 

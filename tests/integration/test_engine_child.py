@@ -49,7 +49,7 @@ def engine_pids() -> set[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")  # empty for a zombie
         except OSError:
             continue
-        if b"workers.front.engine_process" in argv:
+        if b"workers.front.engine_main" in argv:
             pids.add(int(proc.name))
     return pids
 

@@ -12,10 +12,10 @@ import uuid
 import openai
 import pytest
 
+from policies.lora_slots import LoraLimits
 from tests.integration.helpers import API_KEYS, running_app, wait_for
 from tests.lora_adapters import adapter_for
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.modeling.lora import LoraLimits
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

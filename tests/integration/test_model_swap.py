@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.integration.helpers import json_events, running_app, wait_for
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

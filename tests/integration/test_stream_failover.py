@@ -24,7 +24,7 @@ import pytest
 
 from tests.integration.helpers import API_KEYS, httpx, running_app, wait_for
 from tests.lora_adapters import adapter_for
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 APP = "failover"
@@ -167,13 +167,13 @@ def adapter_replica(server) -> str | None:
 
 
 def engine_pid(replica_id: str) -> int:
-    """The engine child of a replica: the process running workers.front.engine_process whose
+    """The engine child of a replica: the process running workers.front.engine_main whose
     parent is the replica's actor process."""
     from ray._private import state
 
     (actor,) = [a for a in state.actors().values() if a["State"] == "ALIVE" and a["Name"].endswith(f"#{replica_id}")]
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and b"workers.front.engine_process" in _read(proc / "cmdline"):
+        if proc.name.isdigit() and b"workers.front.engine_main" in _read(proc / "cmdline"):
             if int(_read(proc / "stat").rsplit(b")", 1)[1].split()[1]) == actor["Pid"]:
                 return int(proc.name)
     raise AssertionError(f"no engine process under replica {replica_id} (pid {actor['Pid']})")

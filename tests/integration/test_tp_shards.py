@@ -9,7 +9,7 @@ import ray
 
 from app.shards import ShardGroup
 from tests.unit.conftest import make_hf_checkpoint
-from workers.modeling.default_model import build_byte_tokenizer
+from workers.modeling.synthetic import build_byte_tokenizer
 from workers.protocol import Coalescing, EngineRequest
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.modeling.default_model import tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import tiny_hf_config, write_checkpoint
 
 # The shape every reference-model test uses: small enough for 2 CPU cores, with GQA (4 heads, 2 KV heads).
 HF_SHAPE = dict(

@@ -13,15 +13,8 @@ import torch
 
 from workers.serving import batch_sampler
 from workers.serving.batch_sampler import BatchSampler
-from workers.serving.sampling import (
-    LOGPROB_FLOOR,
-    InvalidRequest,
-    SamplingParams,
-    apply_penalties,
-    choice_seed,
-    sample,
-    token_logprobs,
-)
+from workers.serving.sampling import LOGPROB_FLOOR, InvalidRequest, SamplingParams, choice_seed
+from workers.serving.sampling_ops import apply_penalties, sample, token_logprobs
 from workers.serving.scheduler import Sequence, new_sequence
 
 V = 300  # vocabulary of the synthetic logits

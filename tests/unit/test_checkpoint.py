@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.conftest import write_tiny_checkpoint
-from workers.modeling.checkpoint import TOKENIZER_FILES, load_model, load_tokenizer
+from workers.modeling.checkpoint import load_model
+from workers.modeling.checkpoint_dir import TOKENIZER_FILES, load_tokenizer
 from workers.modeling.config import SUPPORTED_ARCHITECTURES, CheckpointError, parse_config
-from workers.modeling.default_model import tiny_hf_config
+from workers.modeling.synthetic import tiny_hf_config
 
 MAX_LEN = 64
 

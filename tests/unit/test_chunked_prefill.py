@@ -12,11 +12,11 @@ import random
 
 import pytest
 
+from policies.lora_slots import LoraLimits
 from tests.lora_adapters import adapter_for
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from tests.unit.test_tp_startup import rank_engine, start_two_ranks
 from workers.modeling.default_model import default_model_dir
-from workers.modeling.lora import LoraLimits
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

@@ -98,8 +98,8 @@ def test_prompt_too_long_exits_2(tiny, monkeypatch, capsys):
 def test_generate_with_a_lora_adapter_decodes_what_the_engine_does_with_it(tiny, tmp_path, monkeypatch):
     """--lora PATH decodes with a PEFT adapter: the same tokens as the engine in-process with that
     adapter, other tokens than without it; an adapter above --max-lora-rank exits 2 naming `r`."""
+    from policies.lora_slots import LoraLimits
     from tests.lora_adapters import adapter_for
-    from workers.modeling.lora import LoraLimits
 
     path = str(adapter_for(tiny.model_dir, tmp_path / "ad", seed=5, r=8, lora_alpha=64, target_modules="all-linear"))
     proc = run_cli(tiny, "generate", "--prompt", "Hello", "--max-tokens", "8", "--json", "--lora", path)

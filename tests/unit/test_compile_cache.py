@@ -14,13 +14,13 @@ import torch
 
 import workers.graphs.compile_cache as compile_cache
 from policies.graph_policy import GraphPolicy
+from policies.lora_slots import LoraLimits
 from workers.graphs.compile_cache import KEY_FILE, cache_key, use_compile_cache
 from workers.kv.attention import make_backend
 from workers.modeling.config import parse_config
-from workers.modeling.default_model import tiny_hf_config
-from workers.modeling.lora import LoraLimits
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
+from workers.modeling.synthetic import tiny_hf_config
 from workers.serving.compile_key import key_inputs
 from workers.serving.engine_config import EngineConfig
 

@@ -12,7 +12,7 @@ from policies.graph_policy import GraphPolicy
 from tests.unit.graph_faults import EagerGraphRunner
 from workers.graphs.compile_cache import KEY_FILE
 from workers.modeling.checkpoint import load_model
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams

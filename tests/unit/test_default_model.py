@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from workers.modeling.checkpoint import load_model, load_tokenizer
+from workers.modeling.checkpoint import load_model
+from workers.modeling.checkpoint_dir import load_tokenizer
 from workers.modeling.default_model import TINY_NAME, default_model_dir
 
 TEXTS = [

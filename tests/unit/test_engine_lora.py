@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 import workers.serving.engine
 from policies.graph_policy import GraphPolicy
+from policies.lora_slots import LoraLimits
 from tests.lora_adapters import adapter_for
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from tests.unit.graph_faults import EagerGraphRunner
 from workers.modeling.checkpoint import load_model
-from workers.modeling.lora import LoraLimits
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams

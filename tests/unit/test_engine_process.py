@@ -21,10 +21,9 @@ from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.front.async_engine import EngineDeadError
 from workers.front.engine_process import EngineChild, EngineProcess, read_frame, send_frame
 from workers.modeling.config import CheckpointError
-from workers.protocol import Coalescing, Failed, Ready, Reply, StepOutputs
-from workers.serving.engine import TokenEvent
+from workers.protocol import Coalescing, Failed, Ready, Reply, StepOutputs, TokenEvent
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import InvalidSchema, canonical_schema
+from workers.serving.json_schema import InvalidSchema, canonical_schema
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob
 
 pytestmark = pytest.mark.timeout(120)

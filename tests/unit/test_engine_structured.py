@@ -17,7 +17,8 @@ from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.front.async_engine import AsyncEngine
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import GrammarCompiler, InvalidSchema, canonical_schema
+from workers.serving.grammar import GrammarCompiler
+from workers.serving.json_schema import InvalidSchema, canonical_schema
 from workers.serving.sampling import InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)

@@ -33,7 +33,7 @@ from workers.protocol import (
     encode,
 )
 from workers.serving.detokenizer import DetokState, IncrementalDetokenizer
-from workers.serving.grammar import canonical_schema
+from workers.serving.json_schema import canonical_schema
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,17 +12,12 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from workers.modeling.default_model import build_byte_tokenizer
+from workers.modeling.synthetic import build_byte_tokenizer
 from workers.serving.batch_sampler import AHEAD_MIN_ROWS, BatchSampler
-from workers.serving.grammar import (
-    JSON_OBJECT,
-    GrammarCompiler,
-    InvalidSchema,
-    MaskFiller,
-    canonical_schema,
-    grammar_of,
-)
-from workers.serving.sampling import LOGPROB_FLOOR, InvalidRequest, SamplingParams, apply_token_bitmask
+from workers.serving.grammar import GrammarCompiler, MaskFiller
+from workers.serving.json_schema import JSON_OBJECT, InvalidSchema, canonical_schema, grammar_of
+from workers.serving.sampling import LOGPROB_FLOOR, InvalidRequest, SamplingParams
+from workers.serving.sampling_ops import apply_token_bitmask
 from workers.serving.scheduler import new_sequence
 
 TOKENIZER = build_byte_tokenizer()

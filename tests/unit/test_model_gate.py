@@ -12,7 +12,7 @@ import math
 import pytest
 from safetensors.torch import load_file, save_file
 
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import GateFailed, run_gate, same_shapes, swap_weights_in_place

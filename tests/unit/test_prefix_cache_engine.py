@@ -16,13 +16,13 @@ import pytest
 from app.config import AppConfig
 from app.metrics import render
 from app.replica import engine_config
+from policies.lora_slots import LoraLimits
 from policies.prefix_cache import PrefixCache
 from tests.lora_adapters import adapter_for
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from workers.front.async_engine import AsyncEngine
 from workers.modeling.checkpoint import load_model
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
-from workers.modeling.lora import LoraLimits
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import swap_weights_in_place

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from workers.serving.sampling import MASK32, InvalidRequest, SamplingParams, filter_top_k_top_p, gumbel_noise, sample
+from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.sampling_ops import MASK32, filter_top_k_top_p, gumbel_noise, sample
 
 V = 200  # vocabulary of the synthetic logits
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from workers.front.async_engine import StreamFront
-from workers.serving.engine import TokenEvent
+from workers.protocol import TokenEvent
 from workers.serving.sampling import TokenLogprob
 
 

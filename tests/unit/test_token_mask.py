@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.serving.sampling import apply_token_bitmask
+from workers.serving.sampling_ops import apply_token_bitmask
 
 # (logits width, bitmask words): a bitmask as wide as the logits, one narrower (a padded
 # vocabulary: the columns past it are never allowed), one wider, and the real 1B shape
@@ -73,7 +73,7 @@ def test_a_bitmask_of_every_bit_changes_nothing():
 KERNEL_CHECK = """
 import torch
 from workers.serving import token_mask
-from workers.serving.sampling import apply_token_bitmask
+from workers.serving.sampling_ops import apply_token_bitmask
 from tests.unit.test_token_mask import SHAPES, random_case
 
 for width, words in SHAPES:

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from app.replica import plain_backend, tokenize
 from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
-from workers.modeling.default_model import CHAT_TEMPLATE, build_byte_tokenizer
+from workers.modeling.synthetic import CHAT_TEMPLATE, build_byte_tokenizer
 from workers.protocol import GenerateRequest
 from workers.serving.sampling import InvalidRequest, SamplingParams
 

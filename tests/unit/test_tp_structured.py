@@ -17,7 +17,7 @@ from workers.front.shard_worker import prepare_follower
 from workers.modeling.default_model import default_model_dir
 from workers.serving.engine import LLMEngine, load_for_engine
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import canonical_schema
+from workers.serving.json_schema import canonical_schema
 from workers.serving.sampling import SamplingParams
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group
 

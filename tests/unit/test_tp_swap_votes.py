@@ -13,7 +13,7 @@ import torch
 import workers.tensor_parallel.tp
 from tests.unit.test_tp_startup import start_two_ranks
 from workers.front.shard_worker import prepare_follower
-from workers.modeling.default_model import build_byte_tokenizer, tiny_hf_config, write_checkpoint
+from workers.modeling.synthetic import build_byte_tokenizer, tiny_hf_config, write_checkpoint
 from workers.serving.engine import LLMEngine, load_for_engine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import GateFailed, swap_weights_in_place

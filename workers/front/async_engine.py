@@ -21,6 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from policies.dispatch import FallbackReason
 from workers.protocol import (
@@ -31,14 +32,18 @@ from workers.protocol import (
     Command,
     Deny,
     EngineRequest,
+    EngineStatus,
     Resume,
     Stop,
     StreamEvent,
+    TokenEvent,
 )
 from workers.serving.detokenizer import IncrementalDetokenizer
-from workers.serving.engine import EngineStatus, LLMEngine, TokenEvent
 from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.scheduler import QueueFull, RequestLimits, Sequence, new_sequence
+
+if TYPE_CHECKING:
+    from workers.serving.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

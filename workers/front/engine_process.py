@@ -6,10 +6,10 @@ process shares its interpreter lock and waits for it between steps: on the H200,
 own the step loop has a lock to itself. Commands go down one pipe; each step's events for all
 requests come back up another as one message. The child exits when the parent goes away (its end of
 the command pipe closes), so it never outlives its replica holding the GPU. It is a fresh
-interpreter (`python -m workers.front.engine_process`), not a fork: a forked child cannot use CUDA, and
-nothing of the parent's main module runs again in it. What the child sends is one frame per message,
-its first byte saying how the rest is encoded: a step's events as msgpack rows (`encode_step`),
-anything else pickled.
+interpreter (`python -m workers.front.engine_main`), not a fork: a forked child cannot use CUDA, and
+nothing of the parent's main module runs again in it. This side imports no torch: only the child
+loads the engine. What the child sends is one frame per message, its first byte saying how the rest
+is encoded: a step's events as msgpack rows (`encode_step`), anything else pickled.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -28,28 +27,24 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from workers.front.async_engine import EngineDeadError, StreamFront, run_step_loop
+from workers.front.async_engine import EngineDeadError, StreamFront
 from workers.graphs import fault_injection
 from workers.modeling.default_model import DEFAULT_MODEL_ENV
 from workers.protocol import (
-    CheckAdapter,
     ChildMessage,
     Command,
+    EngineStatus,
     Failed,
-    Gate,
     Question,
     Ready,
     Reply,
     Status,
     StepOutputs,
     Stop,
-    SwapInPlace,
     decode_step,
     encode_step,
 )
-from workers.serving.engine import EngineStatus, LLMEngine
 from workers.serving.engine_config import EngineConfig
-from workers.serving.model_gate import run_gate, swap_weights_in_place
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +117,7 @@ class EngineChild:
         child_commands, commands = os.pipe()
         events, child_events = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "workers.front.engine_process", str(child_commands), str(child_events)],
+            [sys.executable, "-m", "workers.front.engine_main", str(child_commands), str(child_events)],
             pass_fds=(child_commands, child_events),
             env=child_environment(dict(os.environ)),
         )
@@ -281,65 +276,3 @@ def send_frame(events: Connection, message: ChildMessage) -> None:
 def read_frame(data: bytes) -> ChildMessage:
     body = memoryview(data)[1:]
     return decode_step(body) if data[:1] == STEP_FRAME else pickle.loads(body)
-
-
-def serve_engine(commands: Connection, events: Connection) -> None:
-    """The child's main: read the config, build the engine (load, capture, verify), say READY with
-    the request limits, then step until told to stop or the parent goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then stops us
-    try:
-        engine, tokenizer = LLMEngine.from_config(commands.recv())
-    except BaseException as e:
-        send_frame(events, Failed(_portable(e)))
-        return
-    fault_injection.arm_from_environment(engine.runner._replays)
-
-    def answer(question: Question) -> object:
-        nonlocal tokenizer
-        if isinstance(question, Status):
-            return engine.status()
-        try:
-            match question:
-                case SwapInPlace(config):
-                    tokenizer, report = swap_weights_in_place(engine, config)
-                    return report
-                case CheckAdapter(name, path):
-                    return engine.check_adapter(name, path)
-                case Gate():
-                    return run_gate(engine, tokenizer, engine.config.gate_prompts_file)
-        except Exception as e:  # the engine serves on (an in-place swap put the old weights back)
-            log.error("%s failed: %s", type(question).__name__, e)
-            return _portable(e)
-
-    def receive(timeout: float | None) -> Command | None:
-        try:
-            if not commands.poll(timeout):
-                return None
-            message = commands.recv()
-        except EOFError:  # the parent is gone
-            return Stop()
-        if not isinstance(message, Question):
-            return message
-        send_frame(events, Reply(answer(message)))
-        return None
-
-    send_frame(events, Ready(engine.scheduler.limits))
-    try:
-        run_step_loop(engine, receive, lambda step_events: send_frame(events, StepOutputs(step_events)))
-    except BaseException as e:  # report, then end: the parent fails open streams and its health check
-        log.exception("engine loop failed")
-        with contextlib.suppress(OSError):
-            send_frame(events, Failed(EngineDeadError(f"engine loop failed: {e!r}")))
-
-
-def _portable(error: BaseException) -> BaseException:
-    """The error itself when it survives pickling (CheckpointError, ValueError, ...), else its text."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-if __name__ == "__main__":
-    serve_engine(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

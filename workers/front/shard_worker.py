@@ -18,8 +18,8 @@ from policies.dispatch import FallbackReason
 from workers.front.async_engine import AsyncEngine
 from workers.graphs.graph_runner import StepRunners
 from workers.modeling.model import LlamaModel
-from workers.protocol import EngineRequest, StreamEvent
-from workers.serving.engine import EngineStatus, LLMEngine, load_for_engine, make_runners, prepare_model, resolve_device
+from workers.protocol import EngineRequest, EngineStatus, StreamEvent
+from workers.serving.engine import LLMEngine, load_for_engine, make_runners, prepare_model, resolve_device
 from workers.serving.engine_config import EngineConfig
 from workers.serving.model_gate import run_gate, swap_weights_in_place
 from workers.tensor_parallel.tp import Follower, StepChannel, init_tp_group

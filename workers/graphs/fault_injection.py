@@ -14,8 +14,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 VARIABLE = "GRAPHSERVE_FAULT_FILE"
 READ_EVERY_S = 0.05

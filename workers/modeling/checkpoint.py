@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that a serving model derives or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 REVISION_SAMPLE = 1 << 20
 
 
@@ -110,13 +109,3 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
                     return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
 
                 module.load(kind, part, read)
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The checkpoint's own tokenizer (AutoTokenizer), with its chat template when it has one."""
-    from transformers import AutoTokenizer
-
-    model_dir = Path(model_dir)
-    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-        raise CheckpointError(f"{model_dir}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
-    return AutoTokenizer.from_pretrained(model_dir)

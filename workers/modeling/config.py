@@ -14,17 +14,10 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from workers.modeling.checkpoint_dir import SUPPORTED_ARCHITECTURES, CheckpointError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be served, with the reason in the message."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ an ordinary safetensors checkpoint in the cache, which the normal loading path t
 
 transformers refuses `save_pretrained` on a model loaded from GGUF, so the files are written here.
 The conversion is keyed by a content id of the GGUF file, and published atomically (replicas may
-race to convert the same file).
+race to convert the same file). torch and transformers are imported only to convert: naming the
+converted directory of a file converted before needs neither.
 """
 
 from __future__ import annotations
@@ -15,10 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from workers.modeling.config import SUPPORTED_ARCHITECTURES, CheckpointError
+from workers.modeling.checkpoint_dir import SUPPORTED_ARCHITECTURES, CheckpointError
 
 log = logging.getLogger(__name__)
 SAMPLE = 1 << 20  # bytes read from each end of the file for its content id
@@ -43,6 +41,8 @@ def converted(gguf_file: Path, cache: Path) -> Path:
     target = cache / "gguf" / f"{gguf_file.stem}-{content_id(gguf_file)}"
     if (target / "config.json").is_file():
         return target
+    import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a safetensors checkpoint in %s (once)", gguf_file, target)

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
 
-from policies.lora_slots import LORA_TARGETS
 from workers.modeling import lora_kernels
 from workers.modeling.config import ModelConfig
 from workers.modeling.parallel import RowParallelLinear
@@ -64,15 +63,6 @@ PARENTS = {
     "down_proj": "mlp",
 }
 TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-@dataclass(frozen=True)
-class LoraLimits:
-    """The slots a server allocates at start (`lora:` in its config); an adapter must fit them."""
-
-    max_loras: int = 8
-    max_lora_rank: int = 64
-    target_modules: tuple[str, ...] = LORA_TARGETS
 
 
 class AdapterError(ValueError):

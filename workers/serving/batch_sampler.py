@@ -1,5 +1,5 @@
 """The engine's sampler over a batch of sequences: penalties, logit_bias and the grammar masks of
-structured outputs on the step's logits, the draw (`sampling.sample`), then the logprobs asked for,
+structured outputs on the step's logits, the draw (`sampling_ops.sample`), then the logprobs asked for,
 all outside the captured step.
 
 Penalties need each sequence's token history, kept on the device with one row per sequence slot:
@@ -30,16 +30,8 @@ from __future__ import annotations
 import torch
 
 from workers.serving.grammar import Grammar, MaskFiller
-from workers.serving.sampling import (
-    MAX_LOGPROBS,
-    SamplingParams,
-    TokenLogprob,
-    apply_penalties,
-    apply_token_bitmask,
-    on_device,
-    sample,
-    token_logprobs,
-)
+from workers.serving.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from workers.serving.sampling_ops import apply_penalties, apply_token_bitmask, on_device, sample, token_logprobs
 from workers.serving.scheduler import Sequence, new_sequence
 
 AHEAD_MIN_ROWS = 8  # rows under a grammar from which a batch's masks are filled ahead, in a thread

@@ -5,12 +5,10 @@ from a process of its own (`engine_process.py`)."""
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +21,8 @@ from workers.graphs.graph_runner import GraphRunner, StepRunners
 from workers.kv.attention import make_backend
 from workers.kv.kv_cache import KVCache
 from workers.model_runner.step_inputs import DecodeInputs, PrefillInputs
-from workers.modeling.checkpoint import load_model, load_tokenizer, model_revision
+from workers.modeling.checkpoint import load_model, model_revision
+from workers.modeling.checkpoint_dir import load_tokenizer
 from workers.modeling.config import DTYPES, ModelConfig, load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.modeling.lora import AdapterError, load_adapter
@@ -32,9 +31,12 @@ from workers.modeling.parallel import TPGroup
 from workers.serving.batch_sampler import BatchSampler
 from workers.serving.compile_key import key_inputs
 from workers.serving.engine_config import EngineConfig
-from workers.serving.grammar import GrammarCompiler, InvalidSchema
+from workers.serving.grammar import GrammarCompiler
+from workers.serving.json_schema import InvalidSchema
 from workers.serving.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
-from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, apply_token_bitmask, sample
+from workers.serving.outputs import EngineStatus, TokenEvent
+from workers.serving.sampling import InvalidRequest, SamplingParams
+from workers.serving.sampling_ops import apply_token_bitmask, sample
 from workers.serving.scheduler import QueueFull, Scheduler, Sequence, new_sequence
 from workers.serving.startup import StartupClock
 from workers.serving.stats import CallTimer, EngineStats
@@ -54,47 +56,6 @@ from workers.tensor_parallel.tp import (
 log = logging.getLogger(__name__)
 MB = 1 << 20
 COMPILE_WAIT_S = 0.01  # with nothing but grammars compiling, a step waits this long for one (no spinning)
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    """What an engine tells its replica (and operators) about itself: it crosses the engine
-    process's pipe and Ray as it is; `as_dict` is its JSON form for /admin/status and /metrics."""
-
-    state: str
-    max_model_len: int
-    model_revision: str
-    attention_backend: str
-    buckets: dict[str, dict]
-    compile_s: float
-    stats: dict
-    memory_mb: dict[str, float]  # weights, kv_pool, graphs (and lora slots): this rank's device memory, apart
-    kv_cache: dict[str, int]  # page_size, pages, pages_free, pages_cached, max_num_seqs, preemptions
-    lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
-    shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
-    startup: dict | None = None  # total_s, phases (seconds each, `startup.py`), compiled_graphs
-    prefill_buckets: dict[str, dict] | None = None  # per prefill bucket of token counts, as `buckets`
-
-    def as_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        for optional in ("shards", "lora", "startup", "prefill_buckets"):
-            if out[optional] is None:
-                del out[optional]
-        return out
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """New tokens of one request from one engine step; finish_reason is set on its last event,
-    and error too when the request failed (its stream raises it). logprobs, for a request that
-    asked for them: one per token. cached_tokens: on every event of a prefilled request."""
-
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    error: BaseException | None = None
-    logprobs: list[TokenLogprob] | None = None
-    cached_tokens: int | None = None  # prompt tokens its prefill found in the prefix cache; None: not said
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,14 +1,17 @@
 """What an engine is started with: the model, its limits, the KV pool, the graph policy, LoRA slots.
-Frozen, and the same on every tensor-parallel rank."""
+Frozen, and the same on every tensor-parallel rank; it crosses to the engine process, so it
+imports no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from policies.graph_policy import GraphPolicy
-from workers.modeling.lora import LoraLimits
+from policies.lora_slots import LoraLimits
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Structured outputs: JSON schemas compiled (with llguidance) into one grammar matcher per sequence,
 whose token bitmask the sampler applies after the replayed step.
 
-A schema is known by its canonical JSON (compact, key order kept: the order of `properties` is the
+A schema is known by its canonical JSON (`json_schema.py`: compact, key order kept: the order of `properties` is the
 order the object is written in, so two orderings are two grammars). The compiled grammar is cached
 per engine (LRU by that text) and compiled in a thread of its own, never on the step loop:
 llguidance drops the interpreter lock while it builds a grammar. A sequence gets a copy of the
@@ -27,8 +27,6 @@ past it are banned by the apply without a bit of their own.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import json
 import os
 import queue
 import threading
@@ -38,38 +36,8 @@ from collections import OrderedDict
 import llguidance
 import torch
 
+from workers.serving.json_schema import CACHE_SIZE, InvalidSchema, grammar_of
 from workers.serving.sampling import InvalidRequest
-
-# compact JSON; oneOf (Pydantic's discriminated unions) enforced as anyOf: a document that matches
-# two alternatives is not refused
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
-JSON_OBJECT = '{"type":"object"}'  # what `response_format: {"type": "json_object"}` asks for
-CACHE_SIZE = 256  # compiled schemas kept per engine
-
-
-class InvalidSchema(InvalidRequest):
-    """A response_format whose schema cannot be compiled (the 400 names `response_format`)."""
-
-    param = "response_format"
-
-
-def canonical_schema(schema: dict) -> str:
-    """The schema's cache key and what crosses to the engine: compact JSON, key order kept."""
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-@functools.lru_cache(maxsize=CACHE_SIZE)  # a failure is not cached: raised again each time
-def grammar_of(schema: str) -> str:
-    """The llguidance grammar of a canonical schema; InvalidSchema says why there is none. Needs no
-    tokenizer, so the ingress refuses a bad schema before any replica sees it (once per schema)."""
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except ValueError as e:
-        raise InvalidSchema(f"the JSON schema cannot be read: {e}") from e
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise InvalidSchema(f"the JSON schema cannot be compiled: {error}")
-    return grammar
 
 
 def reason(matcher: llguidance.LLMatcher) -> str:

@@ -26,7 +26,8 @@ import torch
 
 from policies.dispatch import FallbackReason
 from workers.model_runner.step_inputs import PrefillInputs
-from workers.modeling.checkpoint import load_tokenizer, load_weights, model_revision
+from workers.modeling.checkpoint import load_weights, model_revision
+from workers.modeling.checkpoint_dir import load_tokenizer
 from workers.modeling.config import load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.serving.engine import LLMEngine, eos_ids, grammar_compiler

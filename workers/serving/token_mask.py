@@ -1,4 +1,4 @@
-"""Grammar token bitmasks applied to the logits in one Triton launch (CUDA; `sampling.py` has the
+"""Grammar token bitmasks applied to the logits in one Triton launch (CUDA; `sampling_ops.py` has the
 plain-torch form every other device runs, and the tests hold the two to the same result).
 
 Why a kernel: unpacking the packed int32 words with torch ops takes about seven launches (shift,
