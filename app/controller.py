@@ -46,6 +46,7 @@ AUDIT_KEEP = 1000
 DEFAULT_RECOMMENDED_BUCKETS = 8
 STALE_AFTER_S = 10.0
 GONE_AFTER_S = 30.0  # a replica waiting for its turn in a swap that has not reported this long is dropped
+DECIDE_EVERY_S = 1.0  # the decision loop's pause with no rollout running
 
 
 class _AuditEntry(BaseModel):
@@ -696,13 +697,19 @@ class GraphController:
 
     async def _decide_forever(self) -> None:
         while True:
-            interval = self.rollout.plan.guards.interval_s if self.rollout else 1.0
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.decide_every_s())
             try:
                 self.evaluate_rollout()
                 self.check_swap()
             except Exception:
                 log.exception("rollout evaluation failed")
+
+    def decide_every_s(self) -> float:
+        """The decision loop's pause: a running rollout's `guards.interval_s`, else a second (the
+        pending swap's check); a finished rollout's interval no longer counts."""
+        if self.rollout is None or self.rollout.finished:
+            return DECIDE_EVERY_S
+        return self.rollout.plan.guards.interval_s
 
     def _new_transitions(self, changed: Rollout) -> list:
         """What a changed copy of the current rollout has recorded since (one action may record two,

@@ -84,10 +84,27 @@ class ToggleBody(BaseModel):
     cuda_graph: StrictBool
 
 
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+def _validation_message(e: ValidationError, body: object) -> tuple[str, str | None]:
+    """The first error's message and the field it names, as a path into the client's `body`."""
     err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    param = ".".join(str(p) for p in body_path(err["loc"], body, err["type"] == "missing")) or None
     return f"{param}: {err['msg']}" if param else err["msg"], param
+
+
+def body_path(loc: tuple, body: object, missing: bool) -> list:
+    """The part of a validation error's location that is a path in the body, the keys and indexes
+    found there, and the field it lacks (`missing`). The validator's own steps (the member of a
+    union it tried, `str` or `list[int]`, a tagged union's tag) are left out: no client wrote them."""
+    path, node = [], body
+    for step in loc:
+        if (isinstance(node, dict) and step in node) or (
+            isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node)
+        ):
+            path.append(step)
+            node = node[step]
+    if missing and isinstance(node, dict) and loc and isinstance(loc[-1], str):
+        path.append(loc[-1])
+    return path
 
 
 ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
@@ -132,7 +149,7 @@ async def _admin_body(request: Request, schema: type[BaseModel], shape: str) -> 
     try:
         return schema.model_validate(body)
     except ValidationError as e:
-        message, field = _validation_message(e)
+        message, field = _validation_message(e, body)
         return JSONResponse({"detail": message, "field": field}, status_code=400)
 
 
@@ -279,7 +296,7 @@ class Ingress:
         try:
             req = schema.model_validate(body)
         except ValidationError as e:
-            return error_response(400, *_validation_message(e))
+            return error_response(400, *_validation_message(e, body))
         adapter = None
         if req.model != self.model_name:
             path = (await self._adapters()).get(req.model)
@@ -511,7 +528,7 @@ class Ingress:
         try:
             toggle = ToggleBody.model_validate(body)
         except ValidationError as e:
-            return JSONResponse({"detail": _validation_message(e)[0]}, status_code=400)
+            return JSONResponse({"detail": _validation_message(e, body)[0]}, status_code=400)
         # The audit names the operator whose token this is; no header the caller chooses is trusted.
         client = request.client.host if request.client else "unknown"
         result = await self.controller.call(

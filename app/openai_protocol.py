@@ -255,9 +255,10 @@ class ChatRequest(SamplingFields):
     @field_validator("tools", "tool_choice", mode="before")
     @classmethod
     def _no_tools(cls, v: Any) -> None:
-        if v is not None:
-            raise ValueError("tool calling is not supported")
-        return v
+        """Tools are refused; `tools: []` and `tool_choice: "none"` ask for none, and are served."""
+        if v is None or (isinstance(v, list) and not v) or v == "none":
+            return None
+        raise ValueError("tool calling is not supported")
 
     @field_validator("top_logprobs")
     @classmethod

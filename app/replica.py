@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
+import random
 import re
 import time
 import uuid
@@ -58,6 +60,8 @@ STATUS_EVERY_S = 1.0
 START_CONTROLLER_WAITS = 6  # a starting replica waits this many controller_timeout_s for the swap state
 ROLLOUT_STATUS_EVERY_S = 0.2  # while a rollout splits traffic: a shadow mismatch reaches the controller soon
 COHORTS = {None: "graph", FallbackReason.ROLLOUT_HOLDBACK: "holdback"}  # tenant-disabled requests are in neither
+LONG_PROMPT_CHARS = 1 << 16  # a prompt of this many characters is tokenized in a thread (`tokenized`)
+NORMALIZER_FOLD = 4  # characters a tokenizer's normalizer may fold into one (NFC composes at most 3)
 
 
 def engine_config(config: AppConfig) -> EngineConfig:
@@ -107,24 +111,61 @@ def plain_backend(tokenizer):
     return backend
 
 
-def tokenize(tokenizer, request: GenerateRequest) -> list[int]:
-    """The prompt's token ids. What the tokenizer or the chat template refuses (text that is not valid
-    Unicode, a template's raise_exception, ...) is the client's error: InvalidRequest, a 400."""
+@functools.lru_cache(maxsize=4)  # the tokenizers served lately (a swap brings another)
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for, by its vocabulary string: a
+    byte-level token's string has a character per byte, so at least as many as its text."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def prompt_chars(request: GenerateRequest) -> int:
+    if request.kind == "chat":
+        return sum(len(v) for m in request.messages for v in m.values() if isinstance(v, str))
+    return len(request.prompt) if isinstance(request.prompt, str) else 0
+
+
+async def tokenized(tokenizer, request: GenerateRequest, max_model_len: int) -> list[int]:
+    """`tokenize`, without holding up the replica's other streams: a text too long for the context
+    whatever its tokens (more characters than max_model_len of the longest tokens, with room for a
+    normalizer's folding) is refused before it is tokenized, and a long one is tokenized in a thread,
+    by the Rust tokenizer's batch call, which lets go of the interpreter lock (its single call does
+    not: a 10 MB prompt held every other stream for ~10 s)."""
+    chars = prompt_chars(request)
+    if chars > max_model_len * longest_token_chars(tokenizer) * NORMALIZER_FOLD:
+        raise InvalidRequest(
+            f"the prompt's {chars} characters are more than max_model_len={max_model_len} tokens can hold",
+            "messages" if request.kind == "chat" else "prompt",
+        )
+    if chars < LONG_PROMPT_CHARS:
+        return tokenize(tokenizer, request)
+    return await asyncio.to_thread(tokenize, tokenizer, request, True)
+
+
+def tokenize(tokenizer, request: GenerateRequest, unlocked: bool = False) -> list[int]:
+    """The prompt's token ids (`unlocked`: by a call that lets go of the interpreter lock, for a
+    thread). What the tokenizer or the chat template refuses (text that is not valid Unicode, a
+    template's raise_exception, ...) is the client's error: InvalidRequest, a 400."""
     chat = request.kind == "chat"
     if chat and not tokenizer.chat_template:
         raise InvalidRequest("this model has no chat template; use /v1/completions")
     backend = plain_backend(tokenizer)
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        if unlocked:
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
     try:
         if chat and backend is not None:  # rendered, then encoded as apply_chat_template does: no special tokens added
             text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-            return backend.encode(text, add_special_tokens=False).ids
+            return encode(text, False)
         if chat:
             ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         prompt = request.prompt
         if not isinstance(prompt, str):
             return list(prompt)
-        return backend.encode(prompt).ids if backend is not None else tokenizer(prompt)["input_ids"]
+        return encode(prompt, True) if backend is not None else tokenizer(prompt)["input_ids"]
     except TemplateError as e:
         raise InvalidRequest(f"the model's chat template refused these messages: {e}") from e
     except (TypeError, ValueError) as e:
@@ -427,7 +468,7 @@ class LLMReplica:
         cohort = COHORTS.get(self._denial(tenant, request_id))  # the rollout cohort it starts in, if any
         try:
             try:
-                prompt_ids = tokenize(self.tokenizer, request)
+                prompt_ids = await tokenized(self.tokenizer, request, self.engine_status.max_model_len)
                 max_tokens = fit_max_tokens(
                     request.kind, request.max_tokens, len(prompt_ids), self.engine_status.max_model_len
                 )
@@ -440,6 +481,8 @@ class LLMReplica:
                     sampling = dataclasses.replace(sampling, seed=request.resume.seed)
                 if request.adapter is not None:
                     await self._note_adapter(request.adapter[0])
+                if sampling.seed is None and n > 1:  # one seed for all n, so the client's samples them again
+                    sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
                 params = [choice_sampling(sampling, i) for i in range(n)]
                 streams = await self._first_events(prompt_ids, params, choice_ids, tenant, request.adapter, resume)
             except InvalidRequest as e:
@@ -597,8 +640,10 @@ async def _merged(
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s sampling: a seeded request's choices each get a seed of their own (choice 0
-    the request's), an unseeded one's each get a random one in the engine."""
+    """Choice `index`'s sampling: choice 0 draws with the request's seed, choice i with a hash of
+    (seed, i). An unseeded request gets its seed in the engine when it has one choice, and in
+    `_generate` before its choices are made when it has more: one seed for all n, so the seed the
+    client is told (choice 0's) samples every choice again."""
     if sampling.seed is None or index == 0:
         return sampling
     return dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
@@ -624,7 +669,8 @@ def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_
         raise InvalidRequest(
             f"n={n} choices of the prompt's {prompt_tokens} tokens plus max_tokens={max_tokens} "
             f"do not fit this replica's KV cache ({kv_cache['pages'] * kv_cache['page_size']} "
-            "tokens); ask for fewer choices or tokens"
+            "tokens); ask for fewer choices or tokens",
+            "max_tokens" if explicit else "n",
         )
     return room
 
@@ -635,13 +681,15 @@ def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_mod
     room = max_model_len - prompt_tokens
     if room < 1:
         raise InvalidRequest(
-            f"the prompt has {prompt_tokens} tokens: no room for a completion within max_model_len={max_model_len}"
+            f"the prompt has {prompt_tokens} tokens: no room for a completion within max_model_len={max_model_len}",
+            "messages" if kind == "chat" else "prompt",
         )
     if requested is None:
         return min(room, 16) if kind == "completion" else room
     if requested > room:
         raise InvalidRequest(
-            f"max_tokens={requested} plus the prompt's {prompt_tokens} tokens exceeds max_model_len={max_model_len}"
+            f"max_tokens={requested} plus the prompt's {prompt_tokens} tokens exceeds max_model_len={max_model_len}",
+            "max_tokens",
         )
     return requested
 

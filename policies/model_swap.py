@@ -32,7 +32,8 @@ class SwapRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr = Field(min_length=1)  # a checkpoint directory every replica can read
+    # a checkpoint directory every replica can read (no NUL: no path holds one)
+    model: StrictStr = Field(min_length=1, pattern=r"^[^\x00]+$")
     revision: StrictStr | None = Field(None, min_length=1, max_length=128)  # a label; None: a content id
     max_unavailable: StrictInt = Field(1, ge=1)
     drain_timeout_s: StrictFloat | StrictInt = Field(30.0, gt=0)  # then running requests end with `abort`

@@ -23,10 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from policies.dispatch import FallbackReason
 
 BUCKETS = 10_000  # cohort resolution: percent * 100 of these buckets
+MIN_INTERVAL_S = 0.05  # evaluations at most 20 times a second: a smaller interval would keep the controller busy
 
 
 class RolloutStep(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "50" is not a percent
 
     percent: float = Field(ge=0, le=100)
     hold_s: float | None = Field(None, ge=0)  # the last step may omit it: reaching it ends the rollout
@@ -36,9 +37,9 @@ class Guards(BaseModel):
     """What every evaluation checks (a None limit turns that guard off); shadow-verification
     mismatches are always checked and always critical."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    interval_s: float = Field(10.0, gt=0)  # how often the controller evaluates
+    interval_s: float = Field(10.0, ge=MIN_INTERVAL_S)  # how often the controller evaluates
     min_samples: int = Field(50, ge=1)  # per cohort, per guard, within the current stage
     failure_limit: int = Field(3, ge=1)  # failed evaluations (in one stage) that roll back
     max_error_rate_delta: float | None = Field(0.01, ge=0)  # graph-cohort error rate minus holdback's
@@ -47,7 +48,7 @@ class Guards(BaseModel):
 
 
 class RolloutPlan(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "50" is not a percent
 
     steps: list[RolloutStep] = Field(min_length=1)
     unit: Literal["tenant", "request"] = "tenant"

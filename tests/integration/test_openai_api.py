@@ -369,6 +369,22 @@ def test_n_choices(server, client):
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
 
 
+def test_the_seed_header_samples_every_choice_of_an_unseeded_request_again(server, client):
+    """An unseeded n=3 request answers with the seed it was sampled with; sent back as `seed`, it
+    gives the same three choices, on both endpoints."""
+    for create, body in (
+        (client.completions.with_raw_response.create, {"prompt": PROMPT}),
+        (client.chat.completions.with_raw_response.create, {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        ask = dict(model=server.model, max_tokens=12, temperature=1.3, n=3, extra_body={"ignore_eos": True}, **body)
+        raw = create(**ask)
+        first = raw.parse()
+        again = create(**ask, seed=int(raw.headers["x-graphserve-seed"])).parse()
+        texts = [c.text if hasattr(c, "text") else c.message.content for c in first.choices]
+        assert len(set(texts)) == 3
+        assert [c.text if hasattr(c, "text") else c.message.content for c in again.choices] == texts
+
+
 def test_penalties_and_logit_bias(server, client, greedy):
     """logit_bias +100 forces its token; -100 on the greedy text's first token moves the first token
     off it; strong penalties (and vLLM's repetition_penalty) change the greedy text."""
@@ -562,7 +578,8 @@ def test_openai_client_raises_bad_request(server, client):
 def test_max_tokens_beyond_the_context_is_refused(server):
     """As OpenAI does: prompt + max_tokens beyond max_model_len is a 400 naming max_model_len; without
     max_tokens the default fits the room left, and the server keeps serving."""
-    assert_openai_error(server.complete(max_tokens=10**9), 400, "max_tokens", str(MAX_MODEL_LEN))
+    error = assert_openai_error(server.complete(max_tokens=10**9), 400, "max_tokens", str(MAX_MODEL_LEN))
+    assert error["param"] == "max_tokens"
     r = server.complete(max_tokens=None)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 16
@@ -573,7 +590,21 @@ def test_prompt_exactly_max_model_len(server):
     """A prompt that fills the whole context leaves no room for a completion: 400 naming
     max_model_len, whether or not max_tokens is given."""
     assert_openai_error(server.complete(prompt=[120] * MAX_MODEL_LEN, max_tokens=5), 400, str(MAX_MODEL_LEN))
-    assert_openai_error(server.complete(prompt=[120] * MAX_MODEL_LEN, max_tokens=None), 400, "no room")
+    error = assert_openai_error(server.complete(prompt=[120] * MAX_MODEL_LEN, max_tokens=None), 400, "no room")
+    assert error["param"] == "prompt"
+
+
+def test_a_prompt_of_millions_of_characters_is_refused_at_once_and_stalls_no_stream(server, client):
+    """4 MB of prompt cannot fit max_model_len whatever its tokens: a 400 naming `prompt` before any
+    tokenizing, while a stream that was running goes on undisturbed."""
+    stream = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    next(chunks)
+    error = assert_openai_error(server.complete(prompt="x" * 4_000_000, max_tokens=1), 400, str(MAX_MODEL_LEN))
+    assert error["param"] == "prompt" and "characters" in error["message"]
+    assert sum(1 for c in chunks if c.choices) >= 1  # the running stream finished
 
 
 EXTREME = [

@@ -21,12 +21,11 @@ def tiny(tmp_path_factory) -> Tiny:
 
 
 def test_choice_sampling_seeds():
-    """Choice 0 keeps the request's fields as they are; the others get derived seeds; an unseeded
-    request's choices stay unseeded (each gets a random seed in the engine)."""
+    """Choice 0 keeps the request's fields as they are; the others get derived seeds (an unseeded
+    request of n > 1 is seeded before its choices are made: `_generate`)."""
     sampling = SamplingParams(seed=42, temperature=0.7)
     assert choice_sampling(sampling, 0) is sampling
     assert choice_sampling(sampling, 3) == SamplingParams(seed=choice_seed(42, 3), temperature=0.7)
-    assert choice_sampling(SamplingParams(), 3) == SamplingParams()
 
 
 def test_choices_must_fit_the_kv_pool_side_by_side():

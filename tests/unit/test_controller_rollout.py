@@ -59,11 +59,18 @@ def test_plans_are_validated_and_one_rollout_runs_at_a_time(tmp_path):
     bad = c.start_rollout({**PLAN, "steps": [{"percent": 50, "hold_s": 1}, {"percent": 10}]}, "alice")
     assert bad["status"] == 400 and "steps" in bad["error"] and c.rollout is None
     assert c.start_rollout({**PLAN, "unit": "gpu"}, "alice")["status"] == 400
+    busy = c.start_rollout({**PLAN, "guards": {**GUARDS, "interval_s": 1e-9}}, "alice")
+    assert busy["status"] == 400 and "interval_s" in busy["error"]
+    loose = c.start_rollout({**PLAN, "steps": [{"percent": "50", "hold_s": 1}, {"percent": 100}]}, "alice")
+    assert loose["status"] == 400 and "percent" in loose["error"]
+    assert c.decide_every_s() == 1.0
     first = c.start_rollout(PLAN, "alice")["rollout"]
     assert (first["id"], first["phase"], first["percent"]) == ("rollout-1", "Progressing", 10)
     again = c.start_rollout(PLAN, "bob")
     assert again["status"] == 409 and "rollout-1" in again["error"]
+    assert c.decide_every_s() == GUARDS["interval_s"]
     assert c.rollout_action("abort", "bob")["rollout"]["phase"] == "Aborted"
+    assert c.decide_every_s() == 1.0  # a finished rollout's interval no longer paces the loop
     assert c.start_rollout(PLAN, "bob")["rollout"]["id"] == "rollout-2"  # a finished one can be replaced
 
 

@@ -88,6 +88,26 @@ def test_a_schema_that_cannot_be_compiled_says_why_without_a_tokenizer(schema, s
     assert isinstance(info.value, InvalidRequest)  # the serving layer's 400
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "minimum": 10**30, "maximum": 10**30 + 5},  # llguidance pinned it to 2**63 - 1
+        {"type": "object", "properties": {"default": {"type": "integer", "minimum": -(10**20)}}},
+        {"$defs": {"title": {"enum": [1, 2**60]}}, "$ref": "#/$defs/title"},
+        {"const": 2**53 + 1},
+    ],
+)
+def test_an_integer_a_float_cannot_hold_is_refused_not_rounded(schema):
+    with pytest.raises(InvalidSchema, match=r"beyond \+-2\*\*53") as info:
+        grammar_of(canonical_schema(schema))
+    assert info.value.param == "response_format"
+
+
+def test_big_integers_in_annotations_and_exact_ones_compile():
+    grammar_of(canonical_schema({"type": "integer", "default": 10**30, "examples": [10**40]}))
+    grammar_of(canonical_schema({"type": "integer", "minimum": -(2**53), "maximum": 2**53}))
+
+
 def test_a_schema_no_document_satisfies_fails_its_compile_not_its_sequence(compiler):
     """A `$ref` to itself passes the tokenizer-free check; the compile's first mask finds it."""
     grammar_of(canonical_schema({"$ref": "#"}))

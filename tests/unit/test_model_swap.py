@@ -69,7 +69,15 @@ def test_a_replica_that_never_finishes_times_the_swap_out():
 
 
 @pytest.mark.parametrize(
-    "body", [{}, {"model": ""}, {"model": 3}, {"model": "/x", "max_unavailable": 0}, {"model": "/x", "colour": "red"}]
+    "body",
+    [
+        {},
+        {"model": ""},
+        {"model": 3},
+        {"model": "/ckpt\x00v2"},
+        {"model": "/x", "max_unavailable": 0},
+        {"model": "/x", "colour": "red"},
+    ],
 )
 def test_bad_requests_are_refused_naming_the_field(tmp_path, body):
     c = GraphController(str(tmp_path / "state.json"), {})

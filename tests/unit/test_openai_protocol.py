@@ -205,9 +205,11 @@ def test_what_common_clients_send_is_served():
             "service_tier": "auto",
             "parallel_tool_calls": True,
             "response_format": {"type": "text"},
-            "tool_choice": None,
+            "tool_choice": "none",
+            "tools": [],
         }
     )
+    assert req.tools is None and req.tool_choice is None  # asking for no tool is served
     system = {"role": "system", "content": "Be brief. Say hi."}
     user = {"role": "user", "content": "hi", "name": "ann"}
     assert [m.for_template() for m in req.messages] == [system, user]
@@ -280,16 +282,17 @@ def test_response_formats_reach_the_sampling_fields_as_one_canonical_schema(sche
             "Unknown format: bogus",
         ),
         ({"type": "grammar"}, "response_format", "'text', 'json_object', 'json_schema'"),
-        ({"type": "json_schema"}, "response_format.json_schema.json_schema", "Field required"),
+        ({"type": "json_schema"}, "response_format.json_schema", "Field required"),
         ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "response_format.json_schema", "name"),
         ({"type": "json_schema", "json_schema": {"name": "P", "schema": [1]}}, "response_format.json_schema", "dict"),
-        ({"type": "json_object", "schema": {}}, "response_format.json_object.schema", "Extra inputs"),
+        ({"type": "json_object", "schema": {}}, "response_format.schema", "Extra inputs"),
     ],
 )
 def test_a_response_format_that_cannot_be_served_is_a_400_naming_it(fmt, param, says):
+    body = {**CHAT, "response_format": fmt}
     with pytest.raises(ValidationError) as info:
-        ChatRequest.model_validate({**CHAT, "response_format": fmt})
-    message, field = _validation_message(info.value)
+        ChatRequest.model_validate(body)
+    message, field = _validation_message(info.value, body)
     assert field.startswith(param) and says in message, (message, field)
 
 
@@ -456,3 +459,29 @@ def test_usage_reports_the_fewest_cached_prompt_tokens_of_the_first_items():
     usage_chunk = shape.usage_chunk(50, 3, {0: 48, 1: 16})
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     assert shape.usage_chunk(50, 3)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+@pytest.mark.parametrize(
+    ("schema", "body", "param"),
+    [
+        (CompletionRequest, {"model": "m", "prompt": ["a", 3]}, "prompt"),  # not "prompt.str"
+        (CompletionRequest, {"model": "m"}, "prompt"),
+        (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+        (ChatRequest, {"model": "m", "messages": [{"content": "x"}]}, "messages.0.role"),
+        (
+            ChatRequest,
+            {
+                "model": "m",
+                "messages": [],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": 3}},
+            },
+            "response_format.json_schema.schema",  # not "response_format.json_schema.json_schema.schema"
+        ),
+    ],
+)
+def test_a_refused_field_is_named_by_its_path_in_the_body(schema, body, param):
+    """The validator's own steps (the union member it tried, a tagged union's tag) are no part of
+    the `param` a client gets: only the keys and indexes of what it sent, and a field it left out."""
+    with pytest.raises(ValidationError) as info:
+        schema.model_validate(body)
+    assert _validation_message(info.value, body)[1] == param

@@ -3,10 +3,13 @@ input is InvalidRequest (the replica's 400), with the refusal's reason; anything
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from transformers import AutoTokenizer
 
-from app.replica import plain_backend, tokenize
+from app.replica import LONG_PROMPT_CHARS, longest_token_chars, plain_backend, tokenize, tokenized
 from tests.chat_templates import ALTERNATE, ALTERNATING_TEMPLATE
 from workers.modeling.synthetic import CHAT_TEMPLATE, build_byte_tokenizer
 from workers.protocol import GenerateRequest
@@ -128,3 +131,50 @@ def test_a_backend_set_to_truncate_is_not_used_directly(tmp_path):
     assert plain_backend(tokenizer) is None
     assert plain_backend(build_byte_tokenizer()) is not None
     assert len(tokenize(tokenizer, completion("a longer prompt than four tokens"))) > 4
+
+
+def test_a_long_prompt_tokenizes_in_a_thread_to_the_same_ids(strict_tokenizer):
+    """Past LONG_PROMPT_CHARS the ids come from the thread's unlocked call: the same as the plain one."""
+    text = "graphs replay " * (LONG_PROMPT_CHARS // 10)
+    for request in (completion(text), chat(("user", text))):
+        assert asyncio.run(tokenized(strict_tokenizer, request, 10**6)) == tokenize(strict_tokenizer, request)
+
+
+def test_a_prompt_too_long_for_any_tokens_is_refused_before_tokenizing(strict_tokenizer, monkeypatch):
+    """More characters than max_model_len of the longest tokens can hold: a 400 naming the field, at
+    once; one character fewer than the bound is tokenized (and then measured in tokens)."""
+    bound = 64 * longest_token_chars(strict_tokenizer) * 4
+    monkeypatch.setattr("app.replica.tokenize", lambda *args: pytest.fail("tokenized a prompt that cannot fit"))
+    for request, param in ((completion("x" * (bound + 1)), "prompt"), (chat(("user", "x" * (bound + 1))), "messages")):
+        with pytest.raises(InvalidRequest, match="more than max_model_len=64 tokens can hold") as info:
+            asyncio.run(tokenized(strict_tokenizer, request, 64))
+        assert info.value.param == param
+    monkeypatch.undo()
+    assert len(asyncio.run(tokenized(strict_tokenizer, completion("x" * bound), 64))) > 64
+
+
+def test_the_event_loop_runs_while_a_long_prompt_tokenizes(strict_tokenizer):
+    """Another stream's work goes on during a long prompt's tokenizing (the Rust tokenizer's single
+    call would hold the interpreter lock throughout)."""
+    text = "a b c d " * 200_000  # 1.6 MB: hundreds of milliseconds of tokenizing
+
+    async def scenario() -> tuple[int, float]:
+        ticks, done = 0, False
+
+        async def other_stream() -> None:
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        ticker = asyncio.create_task(other_stream())
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        await tokenized(strict_tokenizer, completion(text), 10**7)
+        seconds, done = time.perf_counter() - t0, True
+        await ticker
+        return ticks, seconds
+
+    ticks, seconds = scenario_result = asyncio.run(scenario())
+    assert seconds > 0.1, scenario_result  # long enough for the loop's ticks to mean something
+    assert ticks >= seconds / 0.005 / 4, scenario_result

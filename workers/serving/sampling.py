@@ -19,6 +19,11 @@ class InvalidRequest(ValueError):
 
     param: str | None = None
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -124,12 +124,12 @@ class RequestLimits:
             )
         # an out-of-range id would fail inside the batched step and take every request down with it
         if self.vocab_size is not None and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
 
     def check_params(self, params: SamplingParams) -> None:
         """A logit_bias token outside the vocabulary would fail the batched step, as a prompt id would."""
         if self.vocab_size is not None and any(token >= self.vocab_size for token, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})")
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
 
     def check_continuation(self, prompt_ids: list[int], output_ids: list[int], max_tokens: int) -> None:
         """A request continued with the tokens it had elsewhere must be one that engine could have
