@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from app.config import AppConfig
 from policies.bucket_choice import best_buckets, graph_memory_mb, ladder_cost
 from policies.model_swap import Swap, SwapPhase, SwapRequest
-from policies.rollout import CohortSignals, Rollout, RolloutConflict, RolloutPlan, Signals
+from policies.rollout import MIN_INTERVAL_S, CohortSignals, Rollout, RolloutConflict, RolloutPlan, Signals
 
 log = logging.getLogger(__name__)
 
@@ -444,6 +444,8 @@ class GraphController:
             parsed = RolloutPlan.model_validate(plan)
         except ValidationError as e:
             return _invalid(e)
+        if parsed.guards.interval_s < MIN_INTERVAL_S:
+            return {"error": f"guards.interval_s: must be at least {MIN_INTERVAL_S} s", "status": 400}
         if self.rollout is not None and not self.rollout.finished:
             return {"error": f"rollout {self.rollout.id} is {self.rollout.phase.value}; abort it first", "status": 409}
         if self.swap is not None and self.swap.phase == SwapPhase.PROGRESSING:
@@ -709,7 +711,7 @@ class GraphController:
         pending swap's check); a finished rollout's interval no longer counts."""
         if self.rollout is None or self.rollout.finished:
             return DECIDE_EVERY_S
-        return self.rollout.plan.guards.interval_s
+        return max(self.rollout.plan.guards.interval_s, MIN_INTERVAL_S)
 
     def _new_transitions(self, changed: Rollout) -> list:
         """What a changed copy of the current rollout has recorded since (one action may record two,

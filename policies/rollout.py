@@ -23,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from policies.dispatch import FallbackReason
 
 BUCKETS = 10_000  # cohort resolution: percent * 100 of these buckets
-MIN_INTERVAL_S = 0.05  # evaluations at most 20 times a second: a smaller interval would keep the controller busy
+# Evaluations at most 20 times a second: a smaller interval kept the controller busy. Checked where a
+# plan starts (`GraphController.start_rollout`), not here, so that a state file of an older version
+# holding a smaller one still loads (its loop runs at this interval).
+MIN_INTERVAL_S = 0.05
 
 
 class RolloutStep(BaseModel):
@@ -39,7 +42,7 @@ class Guards(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    interval_s: float = Field(10.0, ge=MIN_INTERVAL_S)  # how often the controller evaluates
+    interval_s: float = Field(10.0, gt=0)  # how often the controller evaluates (a new plan's: >= MIN_INTERVAL_S)
     min_samples: int = Field(50, ge=1)  # per cohort, per guard, within the current stage
     failure_limit: int = Field(3, ge=1)  # failed evaluations (in one stage) that roll back
     max_error_rate_delta: float | None = Field(0.01, ge=0)  # graph-cohort error rate minus holdback's

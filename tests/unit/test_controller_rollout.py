@@ -147,6 +147,20 @@ def test_the_rollout_survives_a_controller_restart(tmp_path):
     assert json.loads((tmp_path / "state.json").read_text())["rollout"]["id"] == "rollout-1"
 
 
+def test_a_state_file_with_a_shorter_interval_than_allowed_now_still_loads(tmp_path):
+    """An older version took any interval_s > 0: its state (toggles, the rollout) loads, and the
+    decision loop runs no faster than MIN_INTERVAL_S."""
+    first = make(tmp_path)
+    first.set_toggle("tenant-b", False, "alice")
+    first.start_rollout(PLAN, "alice")
+    state = json.loads((tmp_path / "state.json").read_text())
+    state["rollout"]["plan"]["guards"]["interval_s"] = 1e-9
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    second = make(tmp_path)
+    assert second.toggles == first.toggles and second.rollout.plan.guards.interval_s == 1e-9
+    assert second.decide_every_s() == 0.05
+
+
 def test_a_start_that_cannot_be_written_changes_nothing(tmp_path):
     c = make(tmp_path)
     (tmp_path / "state.json").mkdir()  # the state file's path is a directory: every write fails
