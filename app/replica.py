@@ -481,7 +481,7 @@ class LLMReplica:
                     sampling = dataclasses.replace(sampling, seed=request.resume.seed)
                 if request.adapter is not None:
                     await self._note_adapter(request.adapter[0])
-                if sampling.seed is None and n > 1:  # one seed for all n, so the client's samples them again
+                if sampling.seed is None:  # drawn here, once for all n choices: the header's seed samples them again
                     sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
                 params = [choice_sampling(sampling, i) for i in range(n)]
                 streams = await self._first_events(prompt_ids, params, choice_ids, tenant, request.adapter, resume)
@@ -641,9 +641,8 @@ async def _merged(
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s sampling: choice 0 draws with the request's seed, choice i with a hash of
-    (seed, i). An unseeded request gets its seed in the engine when it has one choice, and in
-    `_generate` before its choices are made when it has more: one seed for all n, so the seed the
-    client is told (choice 0's) samples every choice again."""
+    (seed, i). `_generate` seeds an unseeded request first, so the seed the client is told
+    (choice 0's) samples every choice again."""
     if sampling.seed is None or index == 0:
         return sampling
     return dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
