@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tests.unit.conftest import write_tiny_checkpoint
 from workers.modeling.checkpoint import load_model
 from workers.modeling.checkpoint_dir import TOKENIZER_FILES, load_tokenizer
-from workers.modeling.config import SUPPORTED_ARCHITECTURES, CheckpointError, parse_config
+from workers.modeling.config import SUPPORTED_ARCHITECTURES, CheckpointError, load_config, parse_config
 from workers.modeling.synthetic import tiny_hf_config
 
 MAX_LEN = 64
@@ -185,3 +185,32 @@ def test_malformed_index_is_refused_by_name(tmp_path):
         index.write_text(text)
         with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
             load_model(tmp_path, 64)
+
+
+@pytest.mark.parametrize("eos", [[7, 9], 7])
+def test_generation_config_eos_joins_the_configs(tmp_path, eos):
+    """generation_config.json's eos_token_id (an id or a list) joins config.json's, each id once."""
+    path = write_tiny_checkpoint(tmp_path / "m")
+    own = load_config(path).eos_token_ids
+    assert own and 7 not in own and 9 not in own
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "temperature": 0.6}))
+    joined = load_config(path).eos_token_ids
+    assert joined == own + ((7, 9) if isinstance(eos, list) else (7,))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(own), "do_sample": True}))
+    assert load_config(path).eos_token_ids == own
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"eos_token_id": [7,', "not valid JSON"),
+        ("[7, 9]", "not a JSON object"),
+        ('{"eos_token_id": "</s>"}', "eos_token_id must be a token id"),
+    ],
+)
+def test_malformed_generation_config_is_refused_by_name(tmp_path, text, reason):
+    """A generation_config.json the EOS ids cannot be read from is refused, naming the file."""
+    path = write_tiny_checkpoint(tmp_path / "m")
+    (path / "generation_config.json").write_text(text)
+    msg = refused(path)
+    assert "generation_config.json" in msg and reason in msg

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, r
 from workers.front.async_engine import AsyncEngine, EngineDeadError
 from workers.protocol import Coalescing
 from workers.serving.engine import LLMEngine
+from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.scheduler import QueueFull
 
@@ -240,6 +243,23 @@ def test_eos_stops_unless_ignored(tiny):
     more, reason = run_alone(tiny, p, SamplingParams(**{**params.__dict__, "ignore_eos": True}))
     assert reason == "length" and len(more) == params.max_tokens
     assert more[: len(ids)] == ids and more[len(ids)] in tiny.eos_token_ids
+
+
+def test_generation_config_eos_stops(tiny, tmp_path):
+    """A token that only the checkpoint's generation_config.json names as end of sequence (a chat
+    model's end of turn) ends generation as the config's own EOS does, and is not emitted."""
+    p = prompt(random.Random(6), 8)
+    free, _ = run_alone(tiny, p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    k = next(i for i in range(2, len(free)) if free[i] not in free[:i] and free[i] not in tiny.eos_token_ids)
+    model_dir = shutil.copytree(tiny.model_dir, tmp_path / "model")
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[k], tiny.eos_token_ids[0]]}))
+    config = EngineConfig(model=str(model_dir), max_model_len=tiny.max_model_len, device="cpu")
+    engine, _ = LLMEngine.from_config(config)
+    assert set(engine.eos_token_ids) == {free[k], *tiny.eos_token_ids}
+    seq = engine.add_request(p, SamplingParams(max_tokens=30, temperature=0.0))
+    while engine.has_work():
+        engine.step()
+    assert (seq.output_ids, seq.finish_reason) == (free[:k], "stop")
 
 
 def _stop_string_case(tiny) -> tuple[list[int], list[int], str, int]:

@@ -7,6 +7,7 @@ message naming what is wrong, before any weight is read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,13 +126,33 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
+    """The checkpoint's config.json, with the end-of-sequence ids of its generation_config.json
+    joined to it: a chat model's end-of-turn token is often only there (Llama 3's <|eot_id|>,
+    Qwen2's <|endoftext|>), and generation must stop at it as `generate` and other servers do."""
     if not Path(model_dir).is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: missing config.json")
+    cfg = parse_config(_read_json(path))
+    generation = Path(model_dir) / "generation_config.json"
+    if not generation.is_file():
+        return cfg
+    raw = _read_json(generation)
+    eos = raw.get("eos_token_id")
+    if eos is not None and not (
+        isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(t, int) for t in eos))
+    ):
+        raise CheckpointError(f"{generation}: eos_token_id must be a token id or a list of them, not {eos!r}")
+    extra = tuple(t for t in _as_tuple(eos) if t not in cfg.eos_token_ids)
+    return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + extra) if extra else cfg
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    return parse_config(raw)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return raw
