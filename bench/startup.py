@@ -9,8 +9,8 @@ instance), so only the directory carries over; ready_s runs from `serve.run` to 
 
 `tpot`: the decode step compiled once by layer with a dynamic row count (what the engine does) against
 the old way, the whole step compiled per bucket shape (`PerShapeStep`, a switch of this script only), each in its own
-process: engine step TPOT (decode only, context 256, max_model_len 8192) and the CUDA-graph replay
-alone, at each batch size, which is also a bucket.
+process: engine step TPOT (decode only, at each `--contexts` live length, max_model_len 8192) and the
+CUDA-graph replay alone, at each batch size, which is also a bucket.
 
 Rows are merged into --out (JSON, keyed by config and start or batch size) and the markdown beside
 it is written from all of them, so configs can be run one device command at a time (`--configs tiny`:
@@ -24,6 +24,7 @@ the embedded tiny model on the CPU, a smoke run of the start-up part, nothing co
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -37,7 +38,7 @@ from pathlib import Path
 BASE = "http://127.0.0.1:8000"
 ADMIN = {"Authorization": "Bearer bench-admin"}
 MAX_MODEL_LEN = 8192
-CONTEXT = 256
+CONTEXTS = (256, 4096)  # live context lengths of the tpot rows
 TPOT_BATCH_SIZES = (1, 8, 32, 128)
 READY_TIMEOUT_S = 540
 TARGETS = {"1b": {"cold": 60, "warm": 20}, "8b": {"cold": 90, "warm": 30}}  # seconds to /readyz (issue 30)
@@ -158,8 +159,9 @@ def replay_ms(replay, n: int = 100) -> float:
     return start.elapsed_time(end) / n
 
 
-def tpot_once(config: str, variant: str, steps: int) -> dict:
-    """One engine of `variant` (dynamic | per_shape) in this process: its compile and per-batch times."""
+def tpot_once(config: str, variant: str, steps: int, contexts: list[int]) -> dict:
+    """One engine of `variant` (dynamic | per_shape) in this process: its compile and its times per
+    context and batch size."""
     from bench.decode_tpot import long_context_tpot
     from policies.graph_policy import GraphPolicy
     from workers.graphs import graph_runner
@@ -177,22 +179,25 @@ def tpot_once(config: str, variant: str, steps: int) -> dict:
     runner = engine.runner
     assert runner.table.ready == set(TPOT_BATCH_SIZES), runner.report()
     times = {}
-    for bs in TPOT_BATCH_SIZES:
-        tpot = statistics.median(long_context_tpot(engine, bs, CONTEXT, steps, warmup=10))
-        times[bs] = {"tpot_ms": tpot, "replay_ms": replay_ms(runner._replays[bs])}
+    for context in contexts:
+        for bs in TPOT_BATCH_SIZES:
+            tpot = statistics.median(long_context_tpot(engine, bs, context, steps, warmup=10))
+            times[f"{context}/{bs}"] = {"tpot_ms": tpot, "replay_ms": replay_ms(runner._replays[bs])}
     return {"compile_s": runner.compile_s, "graphs": runner.graphs, "times": times}
 
 
-def tpot_rows(config: str, steps: int) -> list[dict]:
-    runs = {v: child("--child-tpot", config, v, str(steps)) for v in ("dynamic", "per_shape")}
+def tpot_rows(config: str, steps: int, contexts: list[int]) -> list[dict]:
+    lengths = ",".join(map(str, contexts))
+    runs = {v: child("--child-tpot", config, v, str(steps), lengths) for v in ("dynamic", "per_shape")}
     print(json.dumps(runs), flush=True)
     dynamic, per_shape = runs["dynamic"], runs["per_shape"]
     rows = []
-    for bs in TPOT_BATCH_SIZES:
-        d, p = dynamic["times"][str(bs)], per_shape["times"][str(bs)]
+    for context, bs in itertools.product(contexts, TPOT_BATCH_SIZES):
+        d, p = dynamic["times"][f"{context}/{bs}"], per_shape["times"][f"{context}/{bs}"]
         rows.append(
             {
                 "config": config,
+                "context": context,
                 "batch_size": bs,
                 "dynamic_tpot_ms": d["tpot_ms"],
                 "per_shape_tpot_ms": p["tpot_ms"],
@@ -251,16 +256,17 @@ def markdown(result: dict) -> str:
         )
     lines += [
         "",
-        f"Decode step, compiled once by layer (dynamic rows) vs whole per bucket shape (the old way), "
-        f"context {CONTEXT}: "
+        "Decode step, compiled once by layer (dynamic rows) vs whole per bucket shape (the old way), "
+        "at each live context length: "
         f"engine step TPOT (median) and CUDA-graph replay alone; target ratio <= {TPOT_TARGET}.",
         "",
-        "| config | bs | TPOT ms dynamic | per shape | ratio | replay ms dynamic | per shape | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| config | context | bs | TPOT ms dynamic | per shape | ratio | replay ms dynamic | per shape | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result.get("tpot", []):
         lines.append(
-            f"| {r['config']} | {r['batch_size']} | {r['dynamic_tpot_ms']:.3f} | {r['per_shape_tpot_ms']:.3f} | "
+            f"| {r['config']} | {r['context']} | {r['batch_size']} | "
+            f"{r['dynamic_tpot_ms']:.3f} | {r['per_shape_tpot_ms']:.3f} | "
             f"{r['tpot_ratio']:.3f} | {r['dynamic_replay_ms']:.3f} | {r['per_shape_replay_ms']:.3f} | "
             f"{r['replay_ratio']:.3f} |"
         )
@@ -288,21 +294,25 @@ def main() -> None:
         elif what == "--child-meta":
             print(json.dumps(meta()))
         else:
-            print(json.dumps(tpot_once(args[0], args[1], int(args[2]))))
+            print(json.dumps(tpot_once(args[0], args[1], int(args[2]), [int(c) for c in args[3].split(",")])))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["startup", "tpot"])
     ap.add_argument("--configs", nargs="+", choices=["tiny", "1b", "8b"], default=["1b"])
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS, help="tpot: live context lengths")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {}
+    for row in result.get("tpot", []):
+        row.setdefault("context", 256)  # rows from before --contexts were measured at 256
     for config in args.configs:
         if args.what == "startup":
             result["startup"] = merge(result.get("startup", []), startup_rows(config), ("config", "start"))
         else:
-            result["tpot"] = merge(result.get("tpot", []), tpot_rows(config, args.steps), ("config", "batch_size"))
+            rows = tpot_rows(config, args.steps, args.contexts)
+            result["tpot"] = merge(result.get("tpot", []), rows, ("config", "context", "batch_size"))
         result["meta"] = child("--child-meta")  # not here: a CUDA context in this process would shrink the KV pools
         out.write_text(json.dumps(result, indent=1))
         out.with_suffix(".md").write_text(markdown(result))
