@@ -1,11 +1,11 @@
 """Which adapter holds which LoRA slot: pure bookkeeping, so eviction is testable in microseconds.
 
-Slots 1..max_loras hold adapters (0 is the null adapter). A request pins its adapter's slot from
-the moment it is accepted until it finishes; an adapter not pinned by any request stays loaded (a
-later request finds it without loading) until its slot is needed for another: the least recently
-used unpinned adapter is evicted. A pinned slot is never evicted, so when every slot is pinned a
-request for yet another adapter waits.
-"""
+Slots 1..max_loras hold adapters (0 is the null adapter). A request pins its adapter's slot from the
+moment it is accepted until it finishes (the engine releases the pins of queued requests when the
+head of its queue finds every slot pinned, so none waits behind those queued after it); an adapter
+not pinned by any request stays loaded (a later request finds it without loading) until its slot is
+needed for another: the least recently used unpinned adapter is evicted. A pinned slot is never
+evicted, so when every slot is pinned a request for yet another adapter waits."""
 
 from __future__ import annotations
 

@@ -90,6 +90,26 @@ def test_slots_are_reused_and_evicted_least_recently_used_never_while_in_use(tin
     assert again.adapter_slot == 1 and engine.stats.adapter_loads == {"loaded": 2}  # still loaded: no copy
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_slot_pinned_only_by_requests_queued_later_does_not_hold_up_the_queues_head(tiny, adapters, prefix_caching):
+    """One slot: the first request (adapter `all`) runs, the second (`attn`) waits at the head of
+    the queue, and a third for `all`, queued behind it, pinned the slot on arrival. When the first
+    ends, the head gets the slot (the third pins it again after it): all three finish, each with
+    the tokens it has alone (it used to wait for ever)."""
+    engine = lora_engine(tiny, max_loras=1, max_num_seqs=1, enable_prefix_caching=prefix_caching)
+    order = [(PROMPTS[0], "all"), (PROMPTS[1], "attn"), (PROMPTS[0] + [7], "all")]
+    seqs = [engine.add_request(p, GREEDY, adapter=(a, adapters[a])) for p, a in order]
+    assert [s.adapter_slot for s in seqs] == [1, 0, 1]
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert [s.finish_reason for s in seqs] == ["length"] * 3
+    assert engine.adapter_slots.pins == {1: 0}
+    alone = [run(lora_engine(tiny, max_num_seqs=1), [r], adapters)[0] for r in order]
+    assert [s.output_ids for s in seqs] == alone
+
+
 def adapter_rows_rolled(model):
     """A LoRA graph whose rows read the previous row's adapter slot (plain rows unaffected)."""
 

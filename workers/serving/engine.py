@@ -333,7 +333,8 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request. One with a LoRA adapter gets its slot now when one is free (loading and
         verifying the adapter if no slot holds it: a refusal is this request's InvalidRequest),
-        else when it reaches the head of the queue. One with a response_format waits apart until
+        else when it reaches the head of the queue (a queued request's slot gives way to the head's
+        need, `_unpin_queued`). One with a response_format waits apart until
         its grammar is compiled (in a thread; the others decode meanwhile), then is queued."""
         if seq.adapter is not None and self.adapter_slots is None:
             raise InvalidRequest(f"adapter {seq.adapter[0]!r}: LoRA is not enabled on this server (lora: unset)")
@@ -433,11 +434,22 @@ class LLMEngine:
         if seq.adapter is None:
             return True
         try:
-            return self._grant_adapter(seq)
+            return self._grant_adapter(seq) or (self._unpin_queued(seq) and self._grant_adapter(seq))
         except InvalidRequest as e:
             self.scheduler.finish(seq, "error")
             self._refused.append(TokenEvent(seq.request_id, [], "error", e))
             return False
+
+    def _unpin_queued(self, head: Sequence) -> bool:
+        """Release the slots that requests queued behind the queue's `head` pinned when they
+        arrived: they cannot run before it, so a slot pinned only by them must not keep it waiting
+        (for ever, when nothing running holds the slot). They pin a slot again when they reach the
+        head, loading their adapter again if its slot went to another. Whether any was released."""
+        queued = [s for s in self.scheduler.waiting if s is not head and s.adapter_slot]
+        for seq in queued:
+            self._release_adapter(seq)
+            seq.cache_salt, seq.page_hashes = None, []  # its salt names the load it will pin
+        return bool(queued)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request from outside the step loop: `abort` (its client left) or `stop` (a stop
