@@ -368,3 +368,20 @@ def test_gumbel_noise_statistics():
     assert torch.isfinite(noise).all()
     assert abs(noise.mean().item() - 0.5772) < 0.02
     assert abs(noise.var().item() - math.pi**2 / 6) < 0.05
+
+
+def test_noise_of_the_top_uniform_is_finite_and_never_draws_a_filtered_token():
+    """Seed 47657's noise at step 0 is drawn from the top uniform for token 144 of a 261-token
+    vocabulary ((2**24 - 0.5) / 2**24, which fp32 rounds to 1.0): it is finite, so with top_k=1 the
+    draw is still the top token, not token 144 filtered to -inf (-inf + inf was NaN, and argmax
+    took it)."""
+    seed, token, vocab = 47657, 144, 261
+    reference = _gumbel_ref(seed, 0, vocab)  # exact integers, float64: its uniform stays below 1
+    assert reference[token] == max(reference) and reference[token] > 16
+    noise = gumbel_noise(torch.tensor([seed]), torch.tensor([0]), vocab)[0]
+    assert torch.isfinite(noise).all() and noise.argmax().item() == token
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    logits[token] = logits.min() - 1.0  # far from the top: top_k=1 filters it out
+    top = logits.argmax().item()
+    assert one(logits, SamplingParams(temperature=1.0, top_k=1), seed, 0) == top
+    assert one(logits, SamplingParams(temperature=1.0, top_p=1e-6), seed, 0) == top

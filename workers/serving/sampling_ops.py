@@ -20,6 +20,7 @@ from workers.serving.sampling import LOGPROB_FLOOR, SamplingParams
 MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B
 _GOLDEN = 0x9E3779B1
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest fp32 below 1
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -30,11 +31,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise of shape (rows, vocab) that depends only on each row's (seed, step)."""
+    """Gumbel(0, 1) noise of shape (rows, vocab) that depends only on each row's (seed, step). Always
+    finite: the top uniform, (2**24 - 0.5) / 2**24, rounds to 1.0 in fp32, whose noise would be +inf,
+    and a token filtered to -inf (top-k, top-p, a grammar's mask) would then score NaN and be drawn;
+    it is held just below 1 (every other value keeps its noise, so seeded draws stay as they were)."""
     vocab_keys = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64))
     key = _mix32((seeds & MASK32) ^ _mix32(((steps * _GOLDEN) & MASK32) ^ (seeds >> 32)))
     bits = _mix32(key[:, None] ^ vocab_keys[None, :])
-    u = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    u = (((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp(max=_BELOW_ONE)
     return -torch.log(-torch.log(u))
 
 
