@@ -472,6 +472,7 @@ class LLMReplica:
                 max_tokens = fit_max_tokens(
                     request.kind, request.max_tokens, len(prompt_ids), self.engine_status.max_model_len
                 )
+                check_choice_count(n, self.engine_status.kv_cache["max_num_seqs"] + self.config.max_waiting)
                 max_tokens = fit_choices(
                     n, max_tokens, request.max_tokens is not None, len(prompt_ids), self.engine_status.kv_cache
                 )
@@ -655,6 +656,17 @@ def logprob_items(tokenizer, event: StreamEvent) -> list[LogprobItem]:
     ids = [t for token, lp in zip(event.token_ids, logprobs) for t in (token, *(a for a, _ in lp.top))]
     texts = iter(tokenizer.batch_decode([[t] for t in ids]))
     return [LogprobItem(next(texts), lp.logprob, [(next(texts), value) for _, value in lp.top]) for lp in logprobs]
+
+
+def check_choice_count(n: int, capacity: int) -> None:
+    """n choices are n sequences in the engine at once: more than it holds (running and queued) is
+    a 400 naming n, not a 503 that no retry could ever get past."""
+    if n > capacity:
+        raise InvalidRequest(
+            f"n={n} choices run as {n} sequences, more than this replica holds at once ({capacity}: "
+            "max_num_seqs plus max_waiting); ask for fewer choices",
+            "n",
+        )
 
 
 def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: dict) -> int:

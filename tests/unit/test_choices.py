@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from app.replica import _merged, choice_sampling, fit_choices, logprob_items
+from app.replica import _merged, check_choice_count, choice_sampling, fit_choices, logprob_items
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from workers.protocol import StreamEvent
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, choice_seed
@@ -36,6 +36,13 @@ def test_choices_must_fit_the_kv_pool_side_by_side():
     assert fit_choices(4, 900, False, 50, KV) == 206  # a default shrinks: 1024 // 4 - 50
     with pytest.raises(InvalidRequest, match="KV cache"):
         fit_choices(16, 10, False, 64, KV)  # no room at all for a choice
+
+
+def test_more_choices_than_the_engine_holds_are_refused_naming_n():
+    check_choice_count(3, 3)
+    with pytest.raises(InvalidRequest, match="n=4") as info:
+        check_choice_count(4, 3)
+    assert info.value.param == "n"
 
 
 def event(text: str, reason: str | None = None) -> StreamEvent:
