@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -365,15 +366,27 @@ class AppConfig(BaseModel):
         return {name: t.cuda_graph for name, t in self.tenants.items()}
 
 
+def secret_entries(raw: str | None) -> Iterator[tuple[int, str, str, bool]]:
+    """The `name:secret` entries of a comma-separated list: (position from 1, name, secret, whether
+    it has that form), each part without the spaces around it (`a: k1, b: k2` is `a:k1,b:k2`: a
+    client's bearer token is read without them too)."""
+    for i, entry in enumerate(filter(None, (e.strip() for e in (raw or "").split(","))), start=1):
+        name, sep, secret = (part.strip() for part in entry.partition(":"))
+        yield i, name, secret, bool(sep and name and secret)
+
+
 def parse_api_keys(raw: str | None) -> dict[str, str]:
-    """`tenant-a:key-a,tenant-b:key-b` -> {key: tenant}. Malformed entries are refused (naming the
-    entry's position, never its content: it holds a secret)."""
+    """`tenant-a:key-a,tenant-b:key-b` -> {key: tenant}. A tenant may hold several keys (to rotate
+    them); malformed entries and a key given twice are refused (naming the entries' positions,
+    never their content: it holds a secret)."""
     keys: dict[str, str] = {}
-    for i, entry in enumerate(filter(None, (e.strip() for e in (raw or "").split(",")))):
-        tenant, sep, key = entry.partition(":")
-        if not sep or not tenant or not key:
-            raise ValueError(f"API key entry #{i + 1} is not of the form tenant:key")
-        keys[key] = tenant
+    positions: dict[str, int] = {}
+    for i, tenant, key, well_formed in secret_entries(raw):
+        if not well_formed:
+            raise ValueError(f"API key entry #{i} is not of the form tenant:key")
+        if key in keys:
+            raise ValueError(f"API key entry #{i} has the same key as entry #{positions[key]}")
+        keys[key], positions[key] = tenant, i
     return keys
 
 
@@ -392,9 +405,8 @@ def parse_admin_tokens(raw: str | None, single: str | None = None) -> dict[str, 
     audit log."""
     tokens: dict[str, str] = {single: ADMIN_OPERATOR} if single else {}
     names: dict[str, int] = {ADMIN_OPERATOR: 0} if single else {}
-    for i, entry in enumerate(filter(None, (e.strip() for e in (raw or "").split(","))), start=1):
-        name, sep, token = entry.partition(":")
-        if not sep or not name or not token:
+    for i, name, token, well_formed in secret_entries(raw):
+        if not well_formed:
             raise ValueError(f"admin token entry #{i} is not of the form name:token")
         if not OPERATOR_NAME.fullmatch(name):
             raise ValueError(f"admin token entry #{i}: a name may hold only letters, digits and ._@+-")
@@ -412,7 +424,8 @@ def admin_tokens_from_env(config: AppConfig) -> dict[str, str]:
     """Every operator's admin token, {token: operator name}: the named tokens of `admin_tokens_env`
     and the single token of `admin_token_env` (operator `admin`). Empty: the admin API is off. A
     token that is also a tenant's API key is refused: that tenant would be an operator."""
-    tokens = parse_admin_tokens(os.environ.get(config.admin_tokens_env), os.environ.get(config.admin_token_env) or None)
+    single = os.environ.get(config.admin_token_env, "").strip() or None  # a secret file's newline is no part of it
+    tokens = parse_admin_tokens(os.environ.get(config.admin_tokens_env), single)
     if tokens.keys() & api_keys_from_env(config).keys():
         raise ValueError(
             f"an admin token is also an API key in {config.api_keys_env}; give operators tokens of their own"

@@ -60,6 +60,19 @@ def test_api_keys_parse_and_malformed_entries_never_echo_the_secret():
     assert "#2" in str(info.value) and "s3cr3t" not in str(info.value)
 
 
+def test_api_keys_without_the_spaces_around_their_parts_and_each_key_once():
+    """`tenant-a: key-a` is key `key-a` (a client's bearer token is read without spaces, so a key
+    kept with one could never match); a tenant may hold several keys, but a key given twice is
+    refused by position (the second would silently take the first's tenant)."""
+    assert parse_api_keys(" tenant-a : key-a,tenant-b: key-b ") == {"key-a": "tenant-a", "key-b": "tenant-b"}
+    assert parse_api_keys("tenant-a:old,tenant-a:new") == {"old": "tenant-a", "new": "tenant-a"}
+    with pytest.raises(ValueError) as info:
+        parse_api_keys("tenant-a:s3cr3t,tenant-c:other,tenant-b:s3cr3t")
+    assert "entry #3 has the same key as entry #1" in str(info.value) and "s3cr3t" not in str(info.value)
+    with pytest.raises(ValueError, match="#1 is not of the form"):
+        parse_api_keys("tenant-a:  ")
+
+
 def test_tenant_lookup_and_admin_operator():
     keys = {"key-a": "tenant-a", "key-b": "tenant-b"}
     assert auth.tenant_for("key-b", keys) == "tenant-b"
@@ -88,6 +101,7 @@ def test_admin_tokens_parse():
     assert parse_admin_tokens("alice:tok1", single="root-tok") == {"root-tok": "admin", "tok1": "alice"}
     assert parse_admin_tokens(None, single="root-tok") == {"root-tok": "admin"}
     assert parse_admin_tokens("", None) == {} and parse_admin_tokens(" , ") == {}
+    assert parse_admin_tokens("alice : tok1, bob: tok2") == {"tok1": "alice", "tok2": "bob"}
 
 
 @pytest.mark.parametrize(
@@ -119,6 +133,8 @@ def test_admin_tokens_from_the_environment(monkeypatch):
     monkeypatch.setenv("OPS_TOKEN", "tok0")
     monkeypatch.setenv("GRAPHSERVE_ADMIN_TOKENS", "mallory:ignored")
     assert admin_tokens_from_env(config) == {"tok0": "admin", "tok1": "alice", "tok2": "bob"}
+    monkeypatch.setenv("OPS_TOKEN", "tok0\n")  # as a secret file's line reaches the environment
+    assert admin_tokens_from_env(config)["tok0"] == "admin"
     monkeypatch.setenv("OPS_TOKEN", "")
     assert admin_tokens_from_env(config) == {"tok1": "alice", "tok2": "bob"}
     monkeypatch.delenv("OPS_TOKENS")
