@@ -128,7 +128,12 @@ class AppConfig(BaseModel):
     max_num_seqs: int | None = Field(
         None, ge=1, description="the batch limit (sequences decoded together); null: 256 on GPU, 32 on CPU"
     )
-    max_model_len: int = Field(2048, ge=2, description="token positions per sequence; a longer prompt is a 400")
+    max_model_len: int = Field(
+        2048,
+        ge=2,
+        description="token positions per sequence; a longer prompt is a 400. At most the model's "
+        "max_position_embeddings: more is served as that, with a warning in the log",
+    )
     max_waiting: int = Field(256, ge=0, description="requests queued beyond the batch; past it, 503")
     dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None, description="the weights' dtype; null: the checkpoint's"
@@ -319,6 +324,8 @@ class AppConfig(BaseModel):
             check_adapter_name(name)
         if self.lora_modules and self.lora is None:
             raise ValueError("lora_modules needs lora: {max_loras, max_lora_rank} to allocate adapter slots")
+        if self.served_name() in self.lora_modules:
+            raise ValueError(f"lora_modules: adapter {self.served_name()!r} has the served model's name")
         return self
 
     @classmethod

@@ -220,8 +220,6 @@ class Ingress:
             set(self.config.tenants) | set(self.keys.values()) | ({auth.OPEN_TENANT} if not self.keys else set())
         )
         self.readiness = ReadinessView(lambda: self.controller.call(GraphController.replica_statuses))
-        if self.model_name in self.config.lora_modules:
-            raise ValueError(f"lora_modules: adapter {self.model_name!r} has the served model's name")
         self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
         self._registered_at = -math.inf
 

@@ -221,6 +221,8 @@ def test_lora_config_reaches_the_engine_and_bad_lora_settings_are_named():
         AppConfig.from_args({"lora_modules": {"sql": "/adapters/sql"}})
     with pytest.raises(ValidationError, match="adapter name 'a/b'"):
         AppConfig.from_args({"lora": {}, "lora_modules": {"a/b": "/adapters/sql"}})
+    with pytest.raises(ValidationError, match="adapter 'my-model' has the served model's name"):
+        AppConfig.from_args({"lora": {}, "served_model_name": "my-model", "lora_modules": {"my-model": "/a"}})
     with pytest.raises(ValidationError, match="target_modules"):
         AppConfig.from_args({"lora": {"target_modules": ["embed_tokens"]}})
     with pytest.raises(ValidationError, match="max_lora_rank"):

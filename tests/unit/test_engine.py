@@ -262,6 +262,17 @@ def test_generation_config_eos_stops(tiny, tmp_path):
     assert (seq.output_ids, seq.finish_reason) == (free[:k], "stop")
 
 
+def test_max_model_len_beyond_the_model_is_capped_and_said(tiny, caplog):
+    """A max_model_len above the checkpoint's max_position_embeddings serves that many positions,
+    and the log says so (clients see it in /v1/models and in the 400s)."""
+    trained = json.loads((tiny.model_dir / "config.json").read_text())["max_position_embeddings"]
+    config = EngineConfig(model=str(tiny.model_dir), max_model_len=trained + 1000, max_num_seqs=1, device="cpu")
+    with caplog.at_level("WARNING", logger="workers.serving.engine"):
+        engine, _ = LLMEngine.from_config(config)
+    assert engine.max_model_len == trained
+    assert f"max_model_len={trained + 1000} is more than" in caplog.text and f"max_model_len={trained}" in caplog.text
+
+
 def _stop_string_case(tiny) -> tuple[list[int], list[int], str, int]:
     """A prompt whose greedy text has a clean two-character substring first occurring a few
     characters in: (prompt, greedy ids, stop string, its index in the text)."""
@@ -598,9 +609,11 @@ def test_sampled_requests_resume_the_same_after_preemption(tiny):
         assert s.output_ids == run_alone(tiny, p, sp)[0]
 
 
-def test_a_pool_that_cannot_hold_max_model_len_is_refused(tiny):
-    with pytest.raises(ValueError, match="cannot hold one sequence"):
+def test_a_pool_that_cannot_hold_max_model_len_is_refused_naming_the_keys(tiny):
+    with pytest.raises(ValueError, match=f"kv_cache_tokens={tiny.max_model_len - 8} cannot hold one sequence"):
         new_engine(tiny, kv_page_size=8, kv_cache_tokens=tiny.max_model_len - 8)
+    with pytest.raises(ValueError, match="kv_cache_tokens=1 cannot hold one sequence of max_model_len"):
+        new_engine(tiny, kv_page_size=64, kv_cache_tokens=1)  # one page would hold 64 tokens: still refused
 
 
 def test_rollout_cohorts_are_counted_apart(tiny):

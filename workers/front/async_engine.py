@@ -81,10 +81,14 @@ def apply_contained(engine: LLMEngine, command: Add | Abort | Deny | Call) -> li
         return apply_command(engine, command)
     except Exception as e:
         request_id = command.seq.request_id if isinstance(command, Add) else command.request_id
-        log.exception("%s for request %s failed; ending that request", type(command).__name__, request_id)
+        if isinstance(e, InvalidRequest | QueueFull):  # the client is told why; nothing failed here
+            log.warning("request %s refused: %s", request_id, e)
+            error = e
+        else:
+            log.exception("%s for request %s failed; ending that request", type(command).__name__, request_id)
+            error = RequestFailed(f"{type(e).__name__}: {e}")
         with contextlib.suppress(Exception):
             engine.abort(request_id)
-        error = e if isinstance(e, InvalidRequest | QueueFull) else RequestFailed(f"{type(e).__name__}: {e}")
         return [TokenEvent(request_id, [], "error", error)]
 
 

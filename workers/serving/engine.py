@@ -119,6 +119,13 @@ def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | No
     model_dir = resolve_model_dir(config.model)
     cfg = load_config(model_dir)
     max_len = min(config.max_model_len, cfg.max_position_embeddings)
+    if max_len < config.max_model_len:
+        log.warning(
+            "max_model_len=%d is more than %s was trained for: serving max_model_len=%d (its max_position_embeddings)",
+            config.max_model_len,
+            model_dir.name,
+            max_len,
+        )
     dtype = DTYPES[config.dtype] if config.dtype else None
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer = pool.submit(load_tokenizer, model_dir)

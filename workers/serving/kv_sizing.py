@@ -70,6 +70,11 @@ def plan_num_pages(
     allocations (the graphs' budget, the sampler's token history) are left."""
     useful = 1 + max_num_seqs * pages_needed(model.max_model_len, page_size)
     if kv_cache_tokens is not None:
+        if kv_cache_tokens < model.max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens={kv_cache_tokens} cannot hold one sequence of max_model_len={model.max_model_len}; "
+                "raise kv_cache_tokens or lower max_model_len"
+            )
         return 1 + pages_needed(kv_cache_tokens, page_size)
     device = model.embed.weight.device
     if device.type != "cuda":
@@ -79,7 +84,15 @@ def plan_num_pages(
     free, _ = torch.cuda.mem_get_info(device)
     budget = memory_fraction * free - peak - reserved_bytes
     page_bytes = model.kv_bytes_per_token() * page_size
-    return min(useful, max(0, int(budget // page_bytes)))
+    num_pages = min(useful, max(0, int(budget // page_bytes)))
+    if (num_pages - 1) * page_size < model.max_model_len:
+        raise ValueError(
+            f"the device memory left for the KV pool ({max(0, budget) / 2**20:.0f} MB of "
+            f"kv_cache_memory_fraction={memory_fraction} of {free / 2**20:.0f} MB free) cannot hold one sequence "
+            f"of max_model_len={model.max_model_len}; lower max_model_len or max_num_batched_tokens, or raise "
+            "kv_cache_memory_fraction"
+        )
+    return num_pages
 
 
 def agree_num_pages(model: LlamaModel, num_pages: int) -> int:
