@@ -48,7 +48,7 @@ def feed(tokenizer, ids: list[int], stop: tuple[str, ...], per_read: int) -> tup
     t0 = time.perf_counter()
     for i in range(0, len(ids), per_read):
         pieces.append(detok.add_tokens(ids[i : i + per_read])[1])
-    pieces.append(detok.flush())
+    pieces.append(detok.flush()[0])
     return time.perf_counter() - t0, "".join(pieces)
 
 

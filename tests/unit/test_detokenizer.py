@@ -34,7 +34,7 @@ def stream(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> tuple[list
         pieces.append(text)
         if hit:
             return pieces, True
-    pieces.append(detok.flush())
+    pieces.append(detok.flush()[0])
     return pieces, False
 
 
@@ -60,7 +60,7 @@ def test_token_by_token_equals_full_decode_without_replacement_chars(tokenizer):
         if not complete.endswith("\ufffd"):
             assert "".join(pieces) + text == complete  # nothing held back once a character is whole
         pieces.append(text)
-    assert detok.flush() == ""
+    assert detok.flush() == ("", False)
     assert "".join(pieces) == tokenizer.decode(ids) == MIXED
 
 
@@ -90,7 +90,7 @@ def test_arbitrary_bytes_and_specials_equal_full_decode(tokenizer, seed):
     ids += enc(tokenizer, "tail€")[: rng.randint(1, 6)]  # maybe end mid-character
     detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.add([t])[0] for t in ids]
-    pieces.append(detok.flush())
+    pieces.append(detok.flush()[0])
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -107,7 +107,7 @@ def test_flush_emits_incomplete_character_at_end(tokenizer):
     ids = enc(tokenizer, "x€")[:-1]
     detok = IncrementalDetokenizer(tokenizer)
     assert [detok.add([t])[0] for t in ids] == ["x", "", ""]
-    assert detok.flush() == tokenizer.decode(ids)[1:] == "\ufffd"
+    assert detok.flush() == (tokenizer.decode(ids)[1:], False) == ("\ufffd", False)
 
 
 # ---------------------------------------------------------------- stop strings
@@ -136,7 +136,7 @@ def test_partial_stop_prefix_is_held_back(tokenizer):
     assert detok.add(enc(tokenizer, "b")) == ("", False)
     assert detok.add(enc(tokenizer, "d")) == ("abd", False)
     assert detok.add(enc(tokenizer, "ab")) == ("", False)
-    assert detok.flush() == "ab"  # the stream ended without a stop: the held tail is released
+    assert detok.flush() == ("ab", False)  # the stream ended without a stop: the held tail is released
 
 
 def test_stop_spanning_two_additions(tokenizer):
@@ -267,7 +267,7 @@ def test_held_back_multibyte_prefix_released_when_it_cannot_match(tokenizer):
     pieces = [detok.add([t])[0] for t in enc(tokenizer, "5€中?")]
     assert "".join(pieces) == "5€中?"
     assert [p for p in pieces if p] == ["5", "€中?"]
-    assert detok.flush() == ""
+    assert detok.flush() == ("", False)
 
 
 def test_nothing_is_handed_out_after_a_stop(tokenizer):
@@ -275,7 +275,7 @@ def test_nothing_is_handed_out_after_a_stop(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, stop=("##",))
     assert detok.add(enc(tokenizer, "ok ## gone")) == ("ok ", True)
     assert detok.add(enc(tokenizer, "more")) == ("", True)
-    assert detok.flush() == ""
+    assert detok.flush() == ("", True)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -409,7 +409,7 @@ def test_a_stream_read_in_batches_restores_anywhere(tokenizer, seed):
             out.append(detok.add_tokens(read))
             if out[-1][2]:
                 return out
-        return [*out, (0, detok.flush(), False)]
+        return [*out, (0, *detok.flush())]
 
     whole = rest(IncrementalDetokenizer(tokenizer, stops), reads)
     for cut in range(1, len(whole)):
@@ -419,3 +419,32 @@ def test_a_stream_read_in_batches_restores_anywhere(tokenizer, seed):
         sent = [t for read in reads[:cut] for t in read]
         restored = IncrementalDetokenizer.restore(tokenizer, stops, sent, original.state())
         assert whole[:cut] + rest(restored, reads[cut:]) == whole, (seed, cut)
+
+
+def straddling_tokenizer():
+    """A byte-level BPE with one token that holds a whole character and the first byte of the next
+    (" " and 0xE2, as SmolLM2's 'Ġâ'): text before such a token waits for the rest of that split
+    character, so a stream that ends there hands it out only in `flush`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["Ġâ"] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "â")]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+def test_a_stop_string_completed_only_at_the_streams_end_still_stops_it():
+    """'Hi' then the token of ' ' and half a character, and the stream ends (max_tokens): the ' '
+    came out only at the end, and the stop string ' ' it completes cuts the text there (the client
+    got ' \ufffd' and finish reason 'length')."""
+    tokenizer = straddling_tokenizer()
+    ids = enc(tokenizer, "Hi") + [tokenizer.convert_tokens_to_ids("Ġâ")]
+    assert len(ids) == 3 and tokenizer.decode(ids) == "Hi \ufffd"
+    detok = IncrementalDetokenizer(tokenizer, stop=(" ",))
+    assert [detok.add_tokens([t]) for t in ids] == [(1, "H", False), (1, "i", False), (1, "", False)]
+    assert detok.flush() == ("", True)
+    without_stop = IncrementalDetokenizer(tokenizer, stop=("?",))
+    assert "".join(without_stop.add([t])[0] for t in ids) + without_stop.flush()[0] == "Hi \ufffd"

@@ -56,7 +56,7 @@ def stream_pieces(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> lis
         out.append(detok.add(chunk))
         if out[-1][1]:
             return out
-    return [*out, (detok.flush(), False)]
+    return [*out, detok.flush()]
 
 
 # ---------------------------------------------------------------- detokenizer state

@@ -224,7 +224,9 @@ class StreamFront(ABC):
                     reason = "stop"
                     self.cancel(seq.request_id, reason)
                 if reason is not None:
-                    text += "" if hit_stop else detok.flush()
+                    rest, hit_stop = ("", True) if hit_stop else detok.flush()
+                    text += rest
+                    reason = "stop" if hit_stop else reason  # a stop string its last characters completed
                     finished = True
                 logprobs = item.logprobs[: len(token_ids)] if item.logprobs is not None else None
                 yield StreamEvent(

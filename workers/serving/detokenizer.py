@@ -168,14 +168,20 @@ class IncrementalDetokenizer:
         self._pending = text[len(text) - held :]
         return text[: len(text) - held], False
 
-    def flush(self) -> str:
-        """The rest of the text at the end of a stream not cut by a stop string, incomplete
-        characters included."""
+    def flush(self) -> tuple[str, bool]:
+        """The rest of the text at the end of a stream, incomplete characters included, cut at a
+        stop string if it completes one (the text a split character held back until now may), and
+        whether it did."""
         if self.stopped:
-            return ""
-        text = self._pending + self._advance(final=True)
+            return "", True
+        new = self._advance(final=True)
+        base, text = len(self._pending), self._pending + new
         self._pending = ""
-        return text
+        cut = self._first_stop(new, base) if self._matchers else None
+        if cut is None:
+            return text, False
+        self.stopped = True
+        return text[:cut], True
 
     def _first_stop(self, new: str, base: int) -> int | None:
         """Feed `new` to every automaton; the start (in pending + new) of the earliest-starting stop
