@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -790,9 +791,23 @@ class GraphController:
         now = time.time()
         return {rid: s for rid, s in self.replicas.items() if now - s["reported_at"] < STALE_AFTER_S}
 
+    async def before(self, deadline: float, name: str, args: tuple, kwargs: dict) -> Any:
+        """Method `name`'s answer, unless its caller stopped waiting for it before it got here
+        (`deadline`, epoch seconds): a call held by a stalled or restarting actor (or retried by
+        Ray after a restart) must not act after its caller was told it failed. An admin write
+        answered 503 changes nothing, then or later."""
+        if time.time() > deadline:
+            raise CallExpired(f"{name} reached the controller after its caller stopped waiting; it was not run")
+        result = getattr(self, name)(*args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
+
 
 class ControllerUnavailable(RuntimeError):
     """The controller did not answer a call within controller_timeout_s."""
+
+
+class CallExpired(RuntimeError):
+    """A call reached the controller after its deadline; it was not run."""
 
 
 P = ParamSpec("P")
@@ -818,19 +833,21 @@ class ControllerClient:
     async def call_within(
         self, timeout_s: float, method: ControllerMethod[P, R], *args: P.args, **kwargs: P.kwargs
     ) -> R:
-        """`call`, bounded by timeout_s."""
+        """`call`, bounded by timeout_s: the controller runs it only if it gets there in that time
+        (`GraphController.before`), so a call this raises for never takes effect later."""
         try:
             try:
-                return await asyncio.wait_for(self._call(method.__name__, *args, **kwargs), timeout_s)
+                return await self._call(timeout_s, method.__name__, args, kwargs)
             except ray.exceptions.RayActorError:
                 self.handle = controller_handle(self.config)
-                return await asyncio.wait_for(self._call(method.__name__, *args, **kwargs), timeout_s)
-        except TimeoutError:
+                return await self._call(timeout_s, method.__name__, args, kwargs)
+        except (TimeoutError, CallExpired):
             message = f"the controller did not answer {method.__name__} within {timeout_s:g} s"
             raise ControllerUnavailable(message) from None
 
-    async def _call(self, name: str, *args, **kwargs):
-        return await getattr(self.handle, name).remote(*args, **kwargs)
+    async def _call(self, timeout_s: float, name: str, args: tuple, kwargs: dict):
+        deadline = time.time() + timeout_s
+        return await asyncio.wait_for(self.handle.before.remote(deadline, name, args, kwargs), timeout_s)
 
     def notify(
         self, method: Callable[Concatenate[GraphController, P], None], *args: P.args, **kwargs: P.kwargs

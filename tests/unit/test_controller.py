@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -235,19 +236,17 @@ def test_lora_adapters_are_persisted_audited_and_a_failed_write_registers_nothin
 
 
 class FakeActorHandle:
-    """A Ray actor handle's shape: handle.<method>.remote(*args) gives an awaitable."""
+    """A Ray actor handle's shape: handle.before.remote(deadline, name, args, kwargs) gives an awaitable."""
 
     def __init__(self, answers: dict, hang: frozenset = frozenset()) -> None:
         self.answers, self.hang, self.calls = answers, hang, []
+        self.before = SimpleNamespace(remote=self._answer)
 
-    def __getattr__(self, name: str):
-        async def answer(*args):
-            self.calls.append((name, args))
-            if name in self.hang:
-                await asyncio.Event().wait()
-            return self.answers[name]
-
-        return SimpleNamespace(remote=answer)
+    async def _answer(self, deadline: float, name: str, args: tuple, kwargs: dict):
+        self.calls.append((name, args))
+        if name in self.hang:
+            await asyncio.Event().wait()
+        return self.answers[name]
 
 
 async def test_the_client_calls_the_controller_method_it_is_given(monkeypatch):
@@ -261,6 +260,21 @@ async def test_the_client_calls_the_controller_method_it_is_given(monkeypatch):
     assert handle.calls == [("tenant", ("a",)), ("replica_statuses", ())]
     with pytest.raises(controller_module.ControllerUnavailable, match="audit_log"):
         await client.call(GraphController.audit_log, 10)
+
+
+async def test_a_call_that_reaches_the_controller_after_its_deadline_is_not_run(tmp_path):
+    """A call held by a stalled controller past the time its caller waited (the caller answered
+    503) is refused when it arrives: the toggle and the audit log stay as they were. In time, the
+    same call (sync or async method) runs."""
+    c = GraphController(str(tmp_path / "state.json"), INITIAL)
+    before = snapshot(c)
+    with pytest.raises(controller_module.CallExpired, match="set_toggle"):
+        await c.before(time.time() - 0.001, "set_toggle", ("tenant-a", False, "alice"), {})
+    assert snapshot(c) == before
+    done = await c.before(time.time() + 5, "set_toggle", ("tenant-a", False, "alice"), {"client": "10.0.0.1"})
+    assert done["cuda_graph"] is False and c.toggles["tenant-a"] is False
+    version, permissions = await c.before(time.time() + 5, "get_permissions", (), {})
+    assert version == c.version and permissions["toggles"]["tenant-a"] is False
 
 
 def test_a_replica_that_leaves_is_out_of_the_statuses_at_once(tmp_path):
