@@ -129,21 +129,24 @@ def continuation(request: GenerateRequest) -> Resume | None:
     return Resume(list(request.resume.output_ids), request.resume.detok)
 
 
-def avoided(pending_request: PendingRequest | None) -> set[str]:
-    """The replica ids a generate request says to avoid (none for other calls)."""
+def routing(pending_request: PendingRequest | None) -> tuple[set[str], set[str]]:
+    """The replica ids a generate request says to avoid, and those to take only when no other is
+    left (none for other calls)."""
     args = pending_request.args if pending_request is not None else ()
     if not args or not isinstance(args[0], bytes):
-        return set()
-    return set(decode_request(args[0]).avoid)
+        return set(), set()
+    request = decode_request(args[0])
+    return set(request.avoid), set(request.not_serving)
 
 
 class FailoverRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Power of two choices among the replicas Serve's preferences offer (a request's adapter's
     replicas first, then those with the fewest adapters, then all; or the local node's, then all),
-    less those the request avoids. When that leaves none, Serve asks again after a backoff (the
-    preferences widen); a request that avoids every replica waits for a new one, or for its caller's
-    deadline. Each chosen replica serves the request it was chosen for (no FIFO hand-over: the next
-    request in line might avoid it)."""
+    less those the request avoids, and less those the ingress saw not serving while others are left
+    (a replica restarting its engine would hold a new request until it is back). When that leaves
+    none, Serve asks again after a backoff (the preferences widen); a request that avoids every
+    replica waits for a new one, or for its caller's deadline. Each chosen replica serves the request
+    it was chosen for (no FIFO hand-over: the next request in line might avoid it)."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -152,9 +155,10 @@ class FailoverRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             ids = self.apply_multiplex_routing(pending_request=pending_request)
         else:
             ids = self.apply_locality_routing(pending_request=pending_request)
-        avoid = avoided(pending_request)
+        avoid, not_serving = routing(pending_request)
         replicas = self.curr_replicas
         ids = [i for i in ids if i.unique_id not in avoid and i in replicas]
+        ids = [i for i in ids if i.unique_id not in not_serving] or ids
         if not ids:
             return []
         return [[replicas[i] for i in random.sample(ids, min(2, len(ids)))]]

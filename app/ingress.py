@@ -321,6 +321,7 @@ class Ingress:
             prompt=None if chat else req.prompt,
             messages=[m.for_template() for m in req.messages] if chat else None,
             adapter=adapter,
+            not_serving=tuple(sorted(self.readiness.not_serving())),
         )
         try:
             encode(payload)

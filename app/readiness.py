@@ -53,6 +53,10 @@ class ReadinessView:
         await self.any_ready()
         return {r for r, ready in self._ready.items() if ready}
 
+    def not_serving(self) -> set[str]:
+        """The replicas known and not serving at the last look (an engine restarting, a failed one)."""
+        return {r for r, ready in self._ready.items() if not ready}
+
     def _refresh(self) -> asyncio.Task:
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._fetch())

@@ -53,7 +53,9 @@ class Continuation(msgspec.Struct, frozen=True, array_like=True):
 class GenerateRequest(msgspec.Struct, frozen=True, array_like=True):
     """A validated OpenAI request, as the ingress sends it to a replica. The replica sets
     `sampling.max_tokens` from `max_tokens` (None: the endpoint's default), fitted to the room the
-    prompt leaves. A failed-over attempt carries `resume` and the replicas to `avoid`."""
+    prompt leaves. A failed-over attempt carries `resume` and the replicas to `avoid`. Every
+    attempt names the replicas the ingress last saw `not_serving` (an engine restarting): Serve
+    routes to one of them only when no other is left."""
 
     tenant: str
     kind: Literal["chat", "completion"]
@@ -65,6 +67,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, array_like=True):
     adapter: tuple[str, str] | None = None
     resume: Continuation | None = None
     avoid: tuple[str, ...] = ()
+    not_serving: tuple[str, ...] = ()
 
 
 class LogprobItem(msgspec.Struct, frozen=True, array_like=True):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from app.failover import MAX_FAILOVERS, FailoverRouter, Progress, avoided, continuation
+from app.failover import MAX_FAILOVERS, FailoverRouter, Progress, continuation, routing
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from tests.unit.test_detokenizer import random_chunks
 from workers.front.async_engine import AsyncEngine
@@ -274,10 +274,11 @@ def test_the_router_reads_what_a_request_avoids():
     def pending(*args):
         return SimpleNamespace(args=list(args))
 
-    assert avoided(pending(encode(msgspec.structs.replace(request(), avoid=("r1", "r2"))))) == {"r1", "r2"}
-    assert avoided(pending(encode(request()))) == set()
-    assert avoided(pending("adapter-name", "/path")) == set()  # check_adapter calls
-    assert avoided(None) == set()
+    hinted = msgspec.structs.replace(request(), avoid=("r1", "r2"), not_serving=("r3",))
+    assert routing(pending(encode(hinted))) == ({"r1", "r2"}, {"r3"})
+    assert routing(pending(encode(request()))) == (set(), set())
+    assert routing(pending("adapter-name", "/path")) == (set(), set())  # check_adapter calls
+    assert routing(None) == (set(), set())
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,30 @@ async def test_the_router_never_offers_an_avoided_replica():
         assert len(chosen) == 2 and "replica r1" not in chosen
     assert await FailoverRouter.choose_replicas(router, [], pending(["r0", "r2"])) == [["replica r1"]]
     assert await FailoverRouter.choose_replicas(router, [], pending(["r0", "r1", "r2"])) == []
+
+
+async def test_the_router_offers_a_replica_not_serving_only_when_no_other_is_left():
+    """A replica the ingress saw restarting its engine would hold a new request until it is back:
+    the router passes it over while another is left, and offers it when it is the only one (the
+    request then waits there, as before), never when the request avoids it."""
+    ids = [FakeId(f"r{n}") for n in range(3)]
+    router = SimpleNamespace(
+        curr_replicas={i: f"replica {i.unique_id}" for i in ids},
+        apply_locality_routing=lambda pending_request: set(ids),
+    )
+
+    def pending(not_serving, avoid=()):
+        hinted = msgspec.structs.replace(request(), avoid=tuple(avoid), not_serving=tuple(not_serving))
+        return SimpleNamespace(args=[encode(hinted)], metadata=SimpleNamespace(multiplexed_model_id=""))
+
+    for _ in range(20):
+        assert await FailoverRouter.choose_replicas(router, [], pending(["r0", "r1"])) == [["replica r2"]]
+        (chosen,) = await FailoverRouter.choose_replicas(router, [], pending(["r1"]))
+        assert sorted(chosen) == ["replica r0", "replica r2"]
+    (chosen,) = await FailoverRouter.choose_replicas(router, [], pending(["r0", "r1", "r2"]))
+    assert len(chosen) == 2  # none serving: Serve's choice as before
+    (chosen,) = await FailoverRouter.choose_replicas(router, [], pending(["r0", "r1"], avoid=["r2"]))
+    assert sorted(chosen) == ["replica r0", "replica r1"]  # an avoided replica is never the one left
 
 
 # ---------------------------------------------------------------- the ingress's failover loop

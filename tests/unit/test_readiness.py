@@ -162,3 +162,13 @@ async def test_controller_failure_keeps_the_last_view(caplog):
     await view.any_ready()
     await asyncio.sleep(0.01)
     assert controller.calls == 4 and not await view.any_ready()
+
+
+async def test_the_replicas_not_serving_are_those_known_in_another_state():
+    """What the router passes over while another replica serves: known replicas that are neither
+    READY nor swapping (an engine restarting reads STARTING, a failed one FAILED)."""
+    controller = Controller({"r1": "READY", "r2": "STARTING", "r3": "REBUILDING", "r4": "FAILED"})
+    view = ReadinessView(controller.fetch)
+    assert view.not_serving() == set()  # nothing known yet
+    assert await view.serving() == {"r1", "r3"}
+    assert view.not_serving() == {"r2", "r4"}
