@@ -305,6 +305,7 @@ class Ingress:
                     "model",
                 )
             adapter = (req.model, path)
+        self.readiness.keep_fresh()
         if not await self.readiness.any_ready():
             return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
         chat = schema is ChatRequest

@@ -39,7 +39,21 @@ class ReadinessView:
         self._missing_since: dict[str, float] = {}  # replica id -> first answer that did not list it
         self._fetched_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
+        self._keeper: asyncio.Task | None = None
         self._failing = False
+
+    def keep_fresh(self) -> None:
+        """Refresh the view every max_age_s from now on, whether requests come or not (on the
+        running event loop; a second call does nothing): the router reads `not_serving` from the
+        view as a request arrives, and a view last refreshed before a quiet spell would still show
+        a replica that began restarting meanwhile as serving."""
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.ensure_future(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.max_age_s)
+            await self._refresh()
 
     async def any_ready(self) -> bool:
         if self.clock() - self._fetched_at > self.max_age_s:

@@ -172,3 +172,19 @@ async def test_the_replicas_not_serving_are_those_known_in_another_state():
     assert view.not_serving() == set()  # nothing known yet
     assert await view.serving() == {"r1", "r3"}
     assert view.not_serving() == {"r2", "r4"}
+
+
+async def test_a_view_kept_fresh_sees_a_restart_with_no_request_asking():
+    """After a quiet spell the router must not read a view from before it: kept fresh, the view
+    follows the controller every max_age_s whether requests come or not."""
+    controller = Controller({"r1": "READY", "r2": "READY"})
+    view = ReadinessView(controller.fetch, max_age_s=0.02)
+    assert await view.serving() == {"r1", "r2"}
+    view.keep_fresh()
+    view.keep_fresh()  # one refresher, however often it is asked for
+    controller.states["r2"] = "STARTING"
+    deadline = asyncio.get_running_loop().time() + 5
+    while view.not_serving() != {"r2"}:
+        assert asyncio.get_running_loop().time() < deadline, "the view never saw the restart"
+        await asyncio.sleep(0.01)
+    view._keeper.cancel()
