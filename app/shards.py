@@ -208,7 +208,10 @@ class LocalEngine:
             self._restarting = asyncio.ensure_future(self._restart(error))
 
     def _take_restart(self, error: BaseException | None) -> bool:
+        """Charge one restart to the budget (`restarts` counts each, a start that fails included,
+        so a replica given up on shows every restart it was allowed)."""
         if self.budget.take(time.monotonic()):
+            self.restarts += 1
             return True
         self.failure = (
             f"the engine process failed {self.budget.max_restarts + 1} times within "
@@ -229,7 +232,6 @@ class LocalEngine:
                 if not self._take_restart(error):
                     return
                 continue
-            self.restarts += 1
             log.warning("engine process restarted (pid %d) in %.1f s", self.runner.pid, time.monotonic() - start)
             return
 

@@ -82,6 +82,33 @@ async def test_killed_child_is_restarted_and_serves_until_the_budget_is_spent(ti
         engine.runner.shutdown()
 
 
+async def test_a_restart_whose_start_fails_counts_and_the_next_one_serves(tiny, monkeypatch):
+    """A child that dies, then a new one that fails to start: both restarts are charged to the
+    budget and counted (a replica given up on shows every restart it was allowed), and the third
+    child serves."""
+    engine = LocalEngine(config(tiny), RestartBudget(2, 600), timeout_s=10, start_timeout_s=120)
+    await engine.start()
+    spawn, attempts = engine._spawn, []
+
+    def failing_once(child=None):
+        attempts.append(child)
+        if len(attempts) == 1:
+            raise EngineDeadError("the engine process was not READY in time; killed")
+        return spawn(child)
+
+    monkeypatch.setattr(engine, "_spawn", failing_once)
+    try:
+        first = engine.runner.pid
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: not engine.runner.alive, 30, "the child's death to be seen")
+        assert await engine.wait_ready(120)
+        assert len(attempts) == 2 and engine.runner.pid != first
+        assert engine.restarts == 2 and engine.failure is None
+        assert await generate(engine.submit, "after") == await generate(engine.submit, "again")
+    finally:
+        engine.runner.shutdown()
+
+
 async def test_wedged_child_fails_a_check_then_is_restarted(tiny):
     engine = LocalEngine(config(tiny), RestartBudget(3, 600), timeout_s=1.0, start_timeout_s=120)
     await engine.start()
