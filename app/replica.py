@@ -472,9 +472,10 @@ class LLMReplica:
                 max_tokens = fit_max_tokens(
                     request.kind, request.max_tokens, len(prompt_ids), self.engine_status.max_model_len
                 )
-                check_choice_count(n, self.engine_status.kv_cache["max_num_seqs"] + self.config.max_waiting)
+                kv_cache = self.engine_status.kv_cache
+                capacity = kv_cache["max_num_seqs"] + self.config.max_waiting
                 max_tokens = fit_choices(
-                    n, max_tokens, request.max_tokens is not None, len(prompt_ids), self.engine_status.kv_cache
+                    n, max_tokens, request.max_tokens is not None, len(prompt_ids), kv_cache, capacity
                 )
                 sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
                 resume = continuation(request)
@@ -658,21 +659,18 @@ def logprob_items(tokenizer, event: StreamEvent) -> list[LogprobItem]:
     return [LogprobItem(next(texts), lp.logprob, [(next(texts), value) for _, value in lp.top]) for lp in logprobs]
 
 
-def check_choice_count(n: int, capacity: int) -> None:
-    """n choices are n sequences in the engine at once: more than it holds (running and queued) is
-    a 400 naming n, not a 503 that no retry could ever get past."""
+def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: dict, capacity: int) -> int:
+    """max_tokens for n choices, which run side by side as n sequences. More of them than the
+    replica holds at once (`capacity`: running and queued) is a 400 naming n, not a 503 that no
+    retry could get past. All n at full length must fit the replica's KV pool, or one request would
+    only run by preempting itself: a default max_tokens shrinks to fit; an explicit one that does
+    not fit is a 400."""
     if n > capacity:
         raise InvalidRequest(
             f"n={n} choices run as {n} sequences, more than this replica holds at once ({capacity}: "
             "max_num_seqs plus max_waiting); ask for fewer choices",
             "n",
         )
-
-
-def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: dict) -> int:
-    """max_tokens for n choices, which run side by side as n sequences: all n at full length must
-    fit the replica's KV pool, or one request would only run by preempting itself. A default
-    max_tokens shrinks to fit; an explicit one that does not fit is a 400."""
     room = kv_cache["pages"] // n * kv_cache["page_size"] - prompt_tokens
     if max_tokens <= room:
         return max_tokens

@@ -7,12 +7,13 @@ import asyncio
 
 import pytest
 
-from app.replica import _merged, check_choice_count, choice_sampling, fit_choices, logprob_items
+from app.replica import _merged, choice_sampling, fit_choices, logprob_items
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from workers.protocol import StreamEvent
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, choice_seed
 
 KV = {"pages": 64, "page_size": 16}  # 1024 tokens
+CAPACITY = 64  # sequences a replica holds at once: none of these requests asks for more
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +30,19 @@ def test_choice_sampling_seeds():
 
 
 def test_choices_must_fit_the_kv_pool_side_by_side():
-    assert fit_choices(1, 1000, True, 24, KV) == 1000
-    assert fit_choices(4, 200, True, 50, KV) == 200  # 4 x 250 <= 1024
+    assert fit_choices(1, 1000, True, 24, KV, CAPACITY) == 1000
+    assert fit_choices(4, 200, True, 50, KV, CAPACITY) == 200  # 4 x 250 <= 1024
     with pytest.raises(InvalidRequest, match="n=4"):
-        fit_choices(4, 300, True, 50, KV)
-    assert fit_choices(4, 900, False, 50, KV) == 206  # a default shrinks: 1024 // 4 - 50
+        fit_choices(4, 300, True, 50, KV, CAPACITY)
+    assert fit_choices(4, 900, False, 50, KV, CAPACITY) == 206  # a default shrinks: 1024 // 4 - 50
     with pytest.raises(InvalidRequest, match="KV cache"):
-        fit_choices(16, 10, False, 64, KV)  # no room at all for a choice
+        fit_choices(16, 10, False, 64, KV, CAPACITY)  # no room at all for a choice
 
 
 def test_more_choices_than_the_engine_holds_are_refused_naming_n():
-    check_choice_count(3, 3)
-    with pytest.raises(InvalidRequest, match="n=4") as info:
-        check_choice_count(4, 3)
+    assert fit_choices(3, 10, True, 5, KV, capacity=3) == 10
+    with pytest.raises(InvalidRequest, match="n=4 choices run as 4 sequences") as info:
+        fit_choices(4, 10, True, 5, KV, capacity=3)
     assert info.value.param == "n"
 
 

@@ -238,14 +238,17 @@ def test_lora_adapters_are_persisted_audited_and_a_failed_write_registers_nothin
 class FakeActorHandle:
     """A Ray actor handle's shape: handle.before.remote(deadline, name, args, kwargs) gives an awaitable."""
 
-    def __init__(self, answers: dict, hang: frozenset = frozenset()) -> None:
-        self.answers, self.hang, self.calls = answers, hang, []
+    def __init__(self, answers: dict, hang: frozenset = frozenset(), late: frozenset = frozenset()) -> None:
+        self.answers, self.hang, self.late, self.calls, self.deadlines = answers, hang, late, [], []
         self.before = SimpleNamespace(remote=self._answer)
 
     async def _answer(self, deadline: float, name: str, args: tuple, kwargs: dict):
         self.calls.append((name, args))
+        self.deadlines.append(deadline)
         if name in self.hang:
             await asyncio.Event().wait()
+        if name in self.late:  # what the real actor raises for a call that came after its deadline
+            raise controller_module.CallExpired(f"{name} reached the controller after its caller stopped waiting")
         return self.answers[name]
 
 
@@ -260,6 +263,19 @@ async def test_the_client_calls_the_controller_method_it_is_given(monkeypatch):
     assert handle.calls == [("tenant", ("a",)), ("replica_statuses", ())]
     with pytest.raises(controller_module.ControllerUnavailable, match="audit_log"):
         await client.call(GraphController.audit_log, 10)
+
+
+async def test_the_client_sends_its_deadline_and_a_late_call_is_unavailable(monkeypatch):
+    """Each call carries the moment its caller stops waiting (now + the timeout), and a call the
+    controller refused as late is ControllerUnavailable (a 503), as one it never answered."""
+    handle = FakeActorHandle({"tenant": {}}, late=frozenset({"set_toggle"}))
+    monkeypatch.setattr(controller_module, "controller_handle", lambda config: handle)
+    client = controller_module.ControllerClient(SimpleNamespace(controller_timeout_s=3.0))
+    sent = time.time()
+    await client.call(GraphController.tenant, "a")
+    assert sent + 3.0 <= handle.deadlines[-1] <= time.time() + 3.0
+    with pytest.raises(controller_module.ControllerUnavailable, match="set_toggle"):
+        await client.call(GraphController.set_toggle, "a", False, "alice")
 
 
 async def test_a_call_that_reaches_the_controller_after_its_deadline_is_not_run(tmp_path):
