@@ -52,6 +52,7 @@ from workers.protocol import (
     encode,
 )
 from workers.serving.engine_config import EngineConfig
+from workers.serving.outputs import KvCacheStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, choice_seed
 from workers.serving.scheduler import QueueFull
 
@@ -473,9 +474,13 @@ class LLMReplica:
                     request.kind, request.max_tokens, len(prompt_ids), self.engine_status.max_model_len
                 )
                 kv_cache = self.engine_status.kv_cache
-                capacity = kv_cache["max_num_seqs"] + self.config.max_waiting
                 max_tokens = fit_choices(
-                    n, max_tokens, request.max_tokens is not None, len(prompt_ids), kv_cache, capacity
+                    n,
+                    max_tokens,
+                    request.max_tokens is not None,
+                    len(prompt_ids),
+                    kv_cache,
+                    kv_cache.max_num_seqs + self.config.max_waiting,
                 )
                 sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
                 resume = continuation(request)
@@ -659,7 +664,9 @@ def logprob_items(tokenizer, event: StreamEvent) -> list[LogprobItem]:
     return [LogprobItem(next(texts), lp.logprob, [(next(texts), value) for _, value in lp.top]) for lp in logprobs]
 
 
-def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: dict, capacity: int) -> int:
+def fit_choices(
+    n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: KvCacheStatus, capacity: int
+) -> int:
     """max_tokens for n choices, which run side by side as n sequences. More of them than the
     replica holds at once (`capacity`: running and queued) is a 400 naming n, not a 503 that no
     retry could get past. All n at full length must fit the replica's KV pool, or one request would
@@ -671,13 +678,13 @@ def fit_choices(n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_
             "max_num_seqs plus max_waiting); ask for fewer choices",
             "n",
         )
-    room = kv_cache["pages"] // n * kv_cache["page_size"] - prompt_tokens
+    room = kv_cache.pages // n * kv_cache.page_size - prompt_tokens
     if max_tokens <= room:
         return max_tokens
     if explicit or room < 1:
         raise InvalidRequest(
             f"n={n} choices of the prompt's {prompt_tokens} tokens plus max_tokens={max_tokens} "
-            f"do not fit this replica's KV cache ({kv_cache['pages'] * kv_cache['page_size']} "
+            f"do not fit this replica's KV cache ({kv_cache.tokens} "
             "tokens); ask for fewer choices or tokens",
             "max_tokens" if explicit else "n",
         )

@@ -31,6 +31,7 @@ replaced) and rewrites its markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -264,7 +265,7 @@ def long_context(args: argparse.Namespace, bandwidth: float) -> dict:
                         compile_s=engine.runner.compile_s,
                         attention_backend=status.attention_backend,
                         memory_mb=status.memory_mb,
-                        kv_cache=status.kv_cache,
+                        kv_cache=dataclasses.asdict(status.kv_cache),
                         buckets=status.buckets,
                     )
                 )

@@ -46,8 +46,8 @@ def test_engine_process_replays_graphs_and_matches_eager(tmp_path, monkeypatch):
     outputs, status = asyncio.run(via_child())
     assert status.state == "READY" and all(b["ready"] for b in status.buckets.values())
     assert status.attention_backend == "triton"
-    assert status.kv_cache["pages_free"] == status.kv_cache["pages"] > 0 and status.kv_cache["max_num_seqs"] == 8
-    assert status.kv_cache["page_size"] == 16 and status.kv_cache["preemptions"] == 0
+    assert status.kv_cache.pages_free == status.kv_cache.pages > 0 and status.kv_cache.max_num_seqs == 8
+    assert status.kv_cache.page_size == 16 and status.kv_cache.preemptions == 0
     assert status.memory_mb["kv_pool"] > 0 and status.memory_mb["graphs"] > 0 and status.memory_mb["weights"] > 0
     modes = {p["execution_mode"] for p in status.stats["decode_step_parts"]}
     assert modes == {"cuda_graph"}

@@ -90,8 +90,8 @@ def test_preemption_and_re_prefill_graph_equals_eager(mode, backend):
     assert g.preempted == e.preempted and g.tables == e.tables and g.pages == e.pages
     assert len(set(g.preempted)) >= 3 and not a.preempted
     for name, engine in (("graph", graph), ("eager", eager)):
-        assert engine.status().kv_cache["preemptions"] == len(g.preempted), name
-    assert ample.status().kv_cache["preemptions"] == 0
+        assert engine.status().kv_cache.preemptions == len(g.preempted), name
+    assert ample.status().kv_cache.preemptions == 0
     for trace, engine in ((g, graph), (e, eager), (a, ample)):
         check_streams(trace)
         check_all_free(engine)

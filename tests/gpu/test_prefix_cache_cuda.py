@@ -116,8 +116,8 @@ def test_cached_requests_decode_with_graphs_what_uncached_ones_decode(pool):
     assert sum(p["rows"] for p in parts if p["execution_mode"] == "cuda_graph") > 0
     assert status.stats["prefix_cache"]["hits_tokens"] > 0
     if pool is not None:
-        assert status.kv_cache["preemptions"] > 0
-    assert status.kv_cache["pages_free"] == status.kv_cache["pages"]
+        assert status.kv_cache.preemptions > 0
+    assert status.kv_cache.pages_free == status.kv_cache.pages
 
 
 def test_short_turns_on_the_paged_kernel_decode_what_uncached_ones_decode(monkeypatch):

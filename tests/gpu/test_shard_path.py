@@ -51,6 +51,6 @@ def test_shard_actor_tp1_captures_and_matches_eager(tmp_path, monkeypatch):
         assert via_actor == [s.output_ids for s in seqs]
         status = ray.get(group.rank0.status.remote())
         assert {p["execution_mode"] for p in status.stats["decode_step_parts"]} == {"cuda_graph"}
-        assert status.kv_cache["pages_free"] == status.kv_cache["pages"] > 0
+        assert status.kv_cache.pages_free == status.kv_cache.pages > 0
     finally:
         ray.shutdown()

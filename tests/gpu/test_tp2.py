@@ -108,8 +108,8 @@ def test_tp2_preemption_in_a_small_pool_matches_tp1(ray_two_gpus, monkeypatch):
     status = asyncio.run(group.status())
     for shard in group.shards:
         ray.kill(shard)
-    assert status.kv_cache["preemptions"] > 0 and status.kv_cache["pages"] == 16
-    assert status.kv_cache["pages_free"] == status.kv_cache["pages"]
+    assert status.kv_cache.preemptions > 0 and status.kv_cache.pages == 16
+    assert status.kv_cache.pages_free == status.kv_cache.pages
     assert {p["execution_mode"] for p in status.stats["decode_step_parts"]} == {"cuda_graph"}
     assert tokens == tp1_tokens(prompts, **small) == tp1_tokens(prompts)
     assert all(len(t) == STEPS for t in tokens)

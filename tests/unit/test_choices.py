@@ -10,9 +10,10 @@ import pytest
 from app.replica import _merged, choice_sampling, fit_choices, logprob_items
 from tests.unit.engine_fixtures import Tiny, load_tiny
 from workers.protocol import StreamEvent
+from workers.serving.outputs import KvCacheStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, choice_seed
 
-KV = {"pages": 64, "page_size": 16}  # 1024 tokens
+KV = KvCacheStatus(page_size=16, pages=64, pages_free=64, pages_cached=0, max_num_seqs=64, preemptions=0)  # 1024 tokens
 CAPACITY = 64  # sequences a replica holds at once: none of these requests asks for more
 
 

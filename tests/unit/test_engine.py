@@ -591,8 +591,8 @@ def test_preemption_loses_nothing_and_sends_nothing_twice(tiny):
         assert (s.output_ids, s.finish_reason) == run_alone(tiny, p, params)
         assert reported[s.request_id] == s.output_ids
     status = engine.status()
-    assert status.kv_cache["preemptions"] > 0
-    assert status.kv_cache["pages_free"] == status.kv_cache["pages"] == 10
+    assert status.kv_cache.preemptions > 0
+    assert status.kv_cache.pages_free == status.kv_cache.pages == 10
     assert all_slots_free(engine)
 
 
@@ -604,7 +604,7 @@ def test_sampled_requests_resume_the_same_after_preemption(tiny):
     requests = [(prompt(rng, 20), params) for _ in range(4)]
     engine = new_engine(tiny, max_num_seqs=4, kv_page_size=8, kv_cache_tokens=96)
     seqs = run_sync(engine, requests)
-    assert engine.status().kv_cache["preemptions"] > 0
+    assert engine.status().kv_cache.preemptions > 0
     for (p, sp), s in zip(requests, seqs):
         assert s.output_ids == run_alone(tiny, p, sp)[0]
 
@@ -668,7 +668,7 @@ def test_penalized_requests_batched_and_preempted_match_solo_runs(tiny):
     requests = penalized_requests(9, 16)
     engine = new_engine(tiny, max_num_seqs=6, kv_page_size=8, kv_cache_tokens=120)
     seqs = run_sync(engine, requests)
-    assert engine.status().kv_cache["preemptions"] > 0
+    assert engine.status().kv_cache.preemptions > 0
     for (p, params), s in zip(requests, seqs):
         assert (s.output_ids, s.finish_reason) == run_alone(tiny, p, params)
     plain = [

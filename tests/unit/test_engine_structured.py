@@ -101,7 +101,7 @@ def test_a_constrained_request_draws_the_same_alone_batched_or_preempted(tiny):
     alone = [run(engine_for(tiny, max_num_seqs=1), [r])[0][0].output_ids for r in requests]
     engine = engine_for(tiny, max_num_seqs=4, kv_page_size=8, kv_cache_tokens=120)
     seqs, _ = run(engine, requests)
-    assert engine.status().kv_cache["preemptions"] > 0
+    assert engine.status().kv_cache.preemptions > 0
     assert [s.output_ids for s in seqs] == alone
 
 

@@ -118,7 +118,7 @@ def test_under_page_pressure_eviction_and_preemption_change_no_token(tiny, monke
     assert e.scheduler.num_preempted > 0 and evicted
     lookups = e.stats.snapshot()["prefix_cache"]
     assert lookups["hits_tokens"] > 0 and lookups["queries_tokens"] > lookups["hits_tokens"]
-    assert e.status().kv_cache["pages_free"] == 20  # every page back: free, or idle and cached
+    assert e.status().kv_cache.pages_free == 20  # every page back: free, or idle and cached
     assert [s.output_ids for s in seqs] == [uncached(tiny, p, params) for p, params in requests]
 
 
@@ -127,7 +127,7 @@ def test_caching_off_reuses_nothing(tiny):
     serve(e, (BASE[:20], GREEDY))
     (again,) = serve(e, (BASE[:20], GREEDY))
     status = e.status()
-    assert again.cached_tokens == 0 and status.kv_cache["pages_cached"] == 0
+    assert again.cached_tokens == 0 and status.kv_cache.pages_cached == 0
     assert status.stats["prefix_cache"] == {"queries_tokens": 0, "hits_tokens": 0}
 
 
@@ -140,12 +140,12 @@ def test_the_counts_reach_events_status_and_metrics(tiny):
     while e.has_work():
         e.step()
     status = e.status()
-    assert status.kv_cache["pages_cached"] > 0
+    assert status.kv_cache.pages_cached > 0
     assert status.stats["prefix_cache"] == {"queries_tokens": 40, "hits_tokens": 16}
     text = render({"r1": status.as_dict()}).decode()
     assert 'graphserve_prefix_cache_queries_tokens_total{replica="r1"} 40.0' in text
     assert 'graphserve_prefix_cache_hits_tokens_total{replica="r1"} 16.0' in text
-    assert f'graphserve_kv_pages_cached{{replica="r1"}} {float(status.kv_cache["pages_cached"])}' in text
+    assert f'graphserve_kv_pages_cached{{replica="r1"}} {float(status.kv_cache.pages_cached)}' in text
 
 
 def test_a_stream_carries_its_cached_tokens(tiny):

@@ -34,7 +34,7 @@ from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import GrammarCompiler
 from workers.serving.json_schema import InvalidSchema
 from workers.serving.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
-from workers.serving.outputs import EngineStatus, TokenEvent
+from workers.serving.outputs import EngineStatus, KvCacheStatus, TokenEvent
 from workers.serving.sampling import InvalidRequest, SamplingParams
 from workers.serving.sampling_ops import apply_token_bitmask, sample
 from workers.serving.scheduler import QueueFull, Scheduler, Sequence, new_sequence
@@ -271,14 +271,14 @@ class LLMEngine:
                 "graphs": sum(r.graph_memory_mb() for r in self.runners.all),
                 **({"lora": self.model.lora.nbytes / MB} if self.adapter_slots else {}),
             },
-            kv_cache={
-                "page_size": self.cache.page_size,
-                "pages": self.cache.num_pages - 1,
-                "pages_free": self.scheduler.blocks.num_free,
-                "pages_cached": self.scheduler.blocks.prefix.num_cached,
-                "max_num_seqs": self.cache.num_slots,
-                "preemptions": self.scheduler.num_preempted,
-            },
+            kv_cache=KvCacheStatus(
+                page_size=self.cache.page_size,
+                pages=self.cache.num_pages - 1,
+                pages_free=self.scheduler.blocks.num_free,
+                pages_cached=self.scheduler.blocks.prefix.num_cached,
+                max_num_seqs=self.cache.num_slots,
+                preemptions=self.scheduler.num_preempted,
+            ),
             lora=self._lora_status(),
             startup=self.startup,
             prefill_buckets=self.runner.prefill_graphs.report() if self.runner.prefill_graphs else None,

@@ -10,6 +10,22 @@ from workers.serving.sampling import TokenLogprob
 
 
 @dataclass(frozen=True)
+class KvCacheStatus:
+    """The KV pool of one engine: its size (what a request's choices must fit) and its use."""
+
+    page_size: int
+    pages: int  # usable pages (the scratch page left out)
+    pages_free: int
+    pages_cached: int  # holding a cached prefix, held or idle
+    max_num_seqs: int
+    preemptions: int
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """What an engine tells its replica (and operators) about itself: it crosses the engine
     process's pipe and Ray as it is; `as_dict` is its JSON form for /admin/status and /metrics."""
@@ -22,7 +38,7 @@ class EngineStatus:
     compile_s: float
     stats: dict
     memory_mb: dict[str, float]  # weights, kv_pool, graphs (and lora slots): this rank's device memory, apart
-    kv_cache: dict[str, int]  # page_size, pages, pages_free, pages_cached, max_num_seqs, preemptions
+    kv_cache: KvCacheStatus
     lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
     startup: dict | None = None  # total_s, phases (seconds each, `startup.py`), compiled_graphs
