@@ -214,3 +214,103 @@ def test_malformed_generation_config_is_refused_by_name(tmp_path, text, reason):
     (path / "generation_config.json").write_text(text)
     msg = refused(path)
     assert "generation_config.json" in msg and reason in msg
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("lm_head.weight", (320, 64)),  # vocab rows beyond config.json's vocab_size
+        ("model.layers.0.self_attn.q_proj.weight", (32, 64)),
+        ("model.layers.1.mlp.gate_proj.weight", (256, 64)),
+        ("model.layers.0.mlp.down_proj.weight", (64, 256)),
+    ],
+)
+def test_a_tensor_of_another_shape_than_the_config_implies_is_refused_by_name(tmp_path, name, shape):
+    """A tensor whose shape config.json does not imply is refused naming it and both shapes, not
+    sliced or zero-padded into the model (transformers refuses these too)."""
+    write_tiny_checkpoint(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    assert tuple(weights[name].shape) != shape
+    weights[name] = torch.randn(shape)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    msg = refused(tmp_path)
+    assert name in msg and str(list(shape)) in msg and "config.json implies" in msg
+
+
+def test_a_config_without_its_head_dim_is_refused_by_the_shapes(tmp_path):
+    """A config.json that lost its explicit head_dim implies other q/k/v shapes: refused, not run."""
+    write_tiny_checkpoint(tmp_path, head_dim=32)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert "q_proj.weight" in refused(tmp_path)
+
+
+def test_a_failed_load_leaves_the_weights_it_had(tmp_path):
+    """Every tensor is checked before any is copied: loading a damaged checkpoint into a model (a
+    model swap in place) fails without changing its weights."""
+    from workers.modeling.checkpoint import load_weights
+
+    good = write_tiny_checkpoint(tmp_path / "good", seed=1)
+    bad = write_tiny_checkpoint(tmp_path / "bad", seed=2)
+    weights = load_file(bad / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] = torch.randn(3, 3)
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(good, max_model_len=MAX_LEN)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError, match="down_proj"):
+        load_weights(model, bad)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_quantized_checkpoints_are_refused(tmp_path):
+    """An FP8 export (quantization_config, float8 weights and their scales) is refused naming the
+    quantization, not cast to float with its scales dropped; float8 tensors without the config too."""
+    configured = write_tiny_checkpoint(tmp_path / "configured")
+    raw = json.loads((configured / "config.json").read_text())
+    (configured / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "fp8"}}))
+    msg = refused(configured)
+    assert "quantization_config" in msg and "fp8" in msg
+    write_tiny_checkpoint(tmp_path / "fp8")
+    weights = load_file(tmp_path / "fp8" / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights[name] = weights[name].to(torch.float8_e4m3fn)
+    save_file(weights, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    msg = refused(tmp_path / "fp8")
+    assert name in msg and "F8_E4M3" in msg and "quantized" in msg
+
+
+def test_damaged_weight_and_tokenizer_files_are_refused_by_name(tmp_path):
+    """A truncated safetensors file, an index mapping a tensor to a shard without it, and a
+    corrupt tokenizer.json are CheckpointErrors naming the file, not bare library errors."""
+    truncated = write_tiny_checkpoint(tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    msg = refused(truncated)
+    assert "model.safetensors" in msg and "truncated or damaged" in msg
+
+    sharded = write_tiny_checkpoint(tmp_path / "sharded", max_shard_tensors=5)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = next(s for s in shards if s != index["weight_map"]["lm_head.weight"])
+    index["weight_map"]["lm_head.weight"] = wrong
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    msg = refused(sharded)
+    assert "lm_head.weight" in msg and wrong in msg
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model":')
+    with pytest.raises(CheckpointError, match="tokenizer cannot be loaded"):
+        load_tokenizer(tmp_path / "tok")
+
+
+def test_config_defaults_follow_transformers():
+    """Keys a config.json may leave out take transformers' defaults: rms_norm_eps 1e-6, a Mistral
+    window of 4096 (an explicit null: none), and hidden_act 'swish' is silu."""
+    base = {k: v for k, v in tiny_hf_config(261).items() if k != "rms_norm_eps"}
+    assert parse_config(base).rms_norm_eps == 1e-6
+    mistral = {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    assert parse_config(mistral).sliding_window == 4096
+    assert parse_config({**mistral, "sliding_window": None}).sliding_window is None
+    assert parse_config({**base, "hidden_act": "swish"}) == parse_config(base)

@@ -248,6 +248,35 @@ def test_what_cannot_be_served_is_refused_naming_why_and_the_engine_serves_on(ti
     assert run(engine, [(PROMPTS[0], "all")], adapters)[0] == run(lora_engine(tiny), [(PROMPTS[0], "all")], adapters)[0]
 
 
+def test_a_failed_load_frees_its_slot_and_a_retry_never_runs_on_another_adapters_weights(
+    tiny, adapters, tmp_path, monkeypatch
+):
+    """Two slots hold `all` and `attn`; a request for an adapter whose file is truncated evicts one
+    to load into it and fails (a 400 naming the file). The slot is not left pinned or named for
+    it: a retry fails the same way (it used to run on the evicted adapter's weights), and the
+    adapters still loadable serve their own tokens."""
+    engine = lora_engine(tiny, max_loras=2)
+    for name in ("all", "attn"):
+        run(engine, [(PROMPTS[0], name)], adapters)
+    path = tmp_path / "truncated"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(open(f"{adapters['mlp']}/adapter_config.json").read())
+    data = open(f"{adapters['mlp']}/adapter_model.safetensors", "rb").read()
+    (path / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    for _ in range(3):
+        with pytest.raises(InvalidRequest, match="adapter_model.safetensors: cannot be read"):
+            engine.add_request(PROMPTS[0], GREEDY, adapter=("mlp", str(path)))
+    assert not any(engine.adapter_slots.pins.values())
+    assert "mlp" not in engine.status().lora["adapters"]
+    with monkeypatch.context() as m:  # a failure other than the adapter's own cleans up the same way
+        m.setattr(workers.serving.engine, "load_adapter", lambda *a: (_ for _ in ()).throw(RuntimeError("fault")))
+        with pytest.raises(RuntimeError, match="fault"):
+            engine.add_request(PROMPTS[0], GREEDY, adapter=("mlp", adapters["mlp"]))
+    assert not any(engine.adapter_slots.pins.values()) and "mlp" not in engine.status().lora["adapters"]
+    for name in ("all", "attn", "mlp"):
+        assert run(engine, [(PROMPTS[1], name)], adapters) == run(lora_engine(tiny), [(PROMPTS[1], name)], adapters)
+
+
 def test_a_target_outside_the_slots_and_lora_off_are_refused(tiny, adapters):
     engine = lora_engine(tiny, limits={"target_modules": ("q_proj", "v_proj")})
     with pytest.raises(InvalidRequest, match=r"target_modules: \['down_proj', 'gate_proj'"):

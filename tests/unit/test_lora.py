@@ -149,6 +149,10 @@ def test_weights_loaded_after_the_slots_reach_the_layers_gemm(base, tmp_path):
         ({"peft_type": "IA3"}, "peft_type"),
         ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
         ({"lora_alpha": "x"}, "lora_alpha"),
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+        ({"layer_replication": [[0, 2], [1, 2]]}, "layer_replication"),
+        ({"use_qalora": True}, "use_qalora"),
+        ({"target_parameters": ["mlp.experts.down_proj"]}, "target_parameters"),
     ],
 )
 def test_what_cannot_be_served_is_refused_naming_the_field(base, tmp_path, change, field):
@@ -251,3 +255,53 @@ def test_a_prefill_mixing_three_adapters_and_none_equals_each_prompt_alone(base,
         alone = ours.make_kv_cache(1)
         assign_pages(alone, seed=i + 1)
         assert torch.allclose(batched[i], prefill_one(ours, prompt, alone, adapter=adapter), rtol=1e-5, atol=1e-5), i
+
+
+def test_exclude_modules_are_left_out_as_peft_leaves_them_out(base, tmp_path):
+    """all-linear minus down_proj (a list) and minus layer 0's attention (a regex): the adapter adds
+    nothing there, and what peft adds everywhere else."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(base)
+    for exclude, left_out in (
+        (["down_proj"], {(i, "down_proj") for i in range(cfg.num_layers)}),
+        (r".*layers\.0\.self_attn\..*", {(0, t) for t in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+    ):
+        path = tmp_path / str(len(left_out))
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        peft_model = make_adapter(
+            model, path, seed=4, r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=exclude
+        )
+        adapter = load_adapter(path, "x", cfg, MAX_RANK)
+        assert set(adapter.weights) == {(i, t) for i in range(cfg.num_layers) for t in TARGETS} - left_out
+        ours = load_model(base, max_model_len=64)
+        ours.enable_lora(max_loras=1, max_rank=MAX_RANK).load(1, adapter)
+        x = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        for layer, target in left_out:
+            if target != "down_proj":
+                assert not delta(ours, layer, target, x, torch.tensor([1, 1])).any()
+        module = peft_layer(peft_model, 1, "q_proj")
+        with torch.no_grad():
+            want = module(x) - module.base_layer(x)
+        assert torch.allclose(delta(ours, 1, "q_proj", x, torch.tensor([1, 1])), want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_adapter_for_a_deeper_model_and_a_damaged_file_are_refused_by_name(base, tmp_path):
+    """A tensor of a layer the base model does not have names that layer and the model's depth; a
+    truncated adapter_model.safetensors is an AdapterError naming the file, not a library error."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "adapter"
+    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    cfg = load_config(base)
+    weights = load_file(path / "adapter_model.safetensors")
+    deeper = {
+        k.replace("layers.0.", f"layers.{cfg.num_layers}."): v.clone() for k, v in weights.items() if "layers.0." in k
+    }
+    save_file({**weights, **deeper}, path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=f"layer {cfg.num_layers} is beyond the model's {cfg.num_layers} layers"):
+        load_adapter(path, "deeper", cfg, MAX_RANK)
+    data = (path / "adapter_model.safetensors").read_bytes()
+    (path / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: cannot be read"):
+        load_adapter(path, "truncated", cfg, MAX_RANK)

@@ -6,6 +6,7 @@ model layer that owns it, so a tensor-parallel rank reads only its share of ever
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -13,9 +14,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from workers.modeling.config import CheckpointError, load_config
+from workers.modeling.config import CheckpointError, ModelConfig, load_config
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
 
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that a serving model derives or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors dtypes the weights may have; anything else (float8, int8 of a quantized export) is refused
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 REVISION_SAMPLE = 1 << 20
 
 
@@ -45,9 +48,45 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{model_dir}: no *.safetensors weight files{hint}")
     names: dict[str, Path] = {}
     for f in files:
-        with safe_open(f, framework="pt") as sf:
+        with _opened(f) as sf:
             names.update(dict.fromkeys(sf.keys(), f))
     return names
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    """A safetensors file, or a CheckpointError naming it (a truncated or damaged download)."""
+    try:
+        with safe_open(path, framework="pt") as sf:
+            yield sf
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); a truncated or damaged file?") from e
+
+
+def checkpoint_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape config.json implies for a tensor the model loads (transformers refuses others too)."""
+    h, v, i = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    module, kind = name.rsplit(".", 2)[-2:]
+    shapes = {
+        ("embed_tokens", "weight"): (v, h),
+        ("lm_head", "weight"): (v, h),
+        ("norm", "weight"): (h,),
+        ("input_layernorm", "weight"): (h,),
+        ("post_attention_layernorm", "weight"): (h,),
+        ("q_proj", "weight"): (q, h),
+        ("k_proj", "weight"): (kv, h),
+        ("v_proj", "weight"): (kv, h),
+        ("q_proj", "bias"): (q,),
+        ("k_proj", "bias"): (kv,),
+        ("v_proj", "bias"): (kv,),
+        ("o_proj", "weight"): (h, q),
+        ("o_proj", "bias"): (h,),
+        ("gate_proj", "weight"): (i, h),
+        ("up_proj", "weight"): (i, h),
+        ("down_proj", "weight"): (h, i),
+    }
+    return shapes[module, kind]
 
 
 def model_revision(model_dir: Path) -> str:
@@ -97,8 +136,11 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
     by_file: dict[Path, list[str]] = {}
     for name in targets:
         by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():  # every tensor checked before any is copied: a swap in place
+        with _opened(path) as sf:  # that fails leaves the weights it had
+            check_tensors(sf, path, names, model.cfg)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as sf:
+        with _opened(path) as sf:
             for name in names:
                 module, kind, part = targets[name]
                 tensor = sf.get_slice(name)
@@ -109,3 +151,26 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
                     return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
 
                 module.load(kind, part, read)
+
+
+def check_tensors(sf, path: Path, names: list[str], cfg: ModelConfig) -> None:
+    """Each of `names` is in the file, a float tensor, of the shape config.json implies."""
+    present = set(sf.keys())
+    for name in names:
+        if name not in present:
+            raise CheckpointError(f"{path}: has no tensor {name}, though the index maps it to this file")
+        tensor = sf.get_slice(name)
+        dtype, shape = tensor.get_dtype(), tuple(tensor.get_shape())
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{name} in {path.name} is {dtype}: quantized weights are not supported "
+                "(serve the unquantized bf16, fp16 or fp32 checkpoint)"
+            )
+        expected = checkpoint_shape(name, cfg)
+        if shape != expected:
+            raise CheckpointError(
+                f"{name} in {path.name} has shape {list(shape)}, config.json implies {list(expected)} "
+                f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, "
+                f"intermediate_size={cfg.intermediate_size}, {cfg.num_heads} heads and {cfg.num_kv_heads} "
+                f"kv heads of head_dim {cfg.head_dim})"
+            )

@@ -26,4 +26,7 @@ def load_tokenizer(model_dir: str | Path):
     model_dir = Path(model_dir)
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise CheckpointError(f"{model_dir}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (ValueError, OSError) as e:  # a damaged tokenizer.json is a JSONDecodeError, a ValueError
+        raise CheckpointError(f"{model_dir}: its tokenizer cannot be loaded ({e})") from e

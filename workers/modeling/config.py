@@ -19,6 +19,9 @@ from workers.modeling.checkpoint_dir import SUPPORTED_ARCHITECTURES, CheckpointE
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# transformers' defaults for keys a config.json may leave out (LlamaConfig, MistralConfig, Qwen2Config)
+RMS_NORM_EPS = 1e-6
+MISTRAL_SLIDING_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = RMS_NORM_EPS
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     max_position_embeddings: int = 2048
@@ -80,8 +83,15 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     ]
     if missing:
         raise CheckpointError(f"config.json lacks required fields: {', '.join(missing)}")
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers computes "swish" as silu
         raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise CheckpointError(
+            f"quantization_config (quant_method {method!r}): quantized checkpoints are not supported; "
+            "serve the unquantized (bf16, fp16 or fp32) checkpoint"
+        )
 
     if raw.get("mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported")
@@ -94,7 +104,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
 
     sliding_window = None
     if family == "mistral":
-        sliding_window = raw.get("sliding_window")
+        sliding_window = raw.get("sliding_window", MISTRAL_SLIDING_WINDOW)
     elif family == "qwen2" and raw.get("use_sliding_window"):
         raise CheckpointError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
 
@@ -111,7 +121,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rms_norm_eps=raw.get("rms_norm_eps", RMS_NORM_EPS),
         rope_theta=rope_theta,
         rope_scaling={} if rope_type == "default" else rope,
         max_position_embeddings=raw.get("max_position_embeddings", 2048),

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from workers.modeling import lora_kernels
 from workers.modeling.config import ModelConfig
@@ -69,16 +69,35 @@ class AdapterError(ValueError):
     """An adapter that cannot be served here; the message names the field or tensor."""
 
 
+# PEFT's LoRA variants, each asked for by one adapter_config.json field, that compute otherwise than
+# B @ A x * scaling on every token: refused by name when set
+VARIANT_FIELDS = (
+    "alora_invocation_tokens",
+    "use_qalora",
+    "layer_replication",
+    "lora_bias",
+    "target_parameters",
+    "trainable_token_indices",
+    "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+    "velora_config",
+    "monteclora_config",
+)
+
+
 class AdapterConfig(BaseModel):
     """The fields of PEFT's adapter_config.json that change what an adapter computes. Others
-    (task_type, base_model_name_or_path, inference_mode, lora_dropout, ...) do not and are ignored."""
+    (task_type, base_model_name_or_path, inference_mode, lora_dropout, initialisation, ...) do not;
+    they are kept apart (`model_extra`) and only the `VARIANT_FIELDS` among them are looked at."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     peft_type: str = "LORA"
     r: int = Field(ge=1)
     lora_alpha: float
     target_modules: list[str] | str
+    exclude_modules: list[str] | str | None = None
     use_rslora: bool = False
     use_dora: bool = False
     bias: str = "none"
@@ -114,6 +133,10 @@ def refusal(config: AdapterConfig, max_rank: int) -> str | None:
     for field, used in unsupported.items():
         if used:
             return f"{field}: not supported ({getattr(config, field)!r})"
+    extra = config.model_extra or {}
+    for field in VARIANT_FIELDS:
+        if extra.get(field):
+            return f"{field}: this LoRA variant is not supported ({extra[field]!r})"
     if config.r > max_rank:
         return f"r: rank {config.r} is above max_lora_rank {max_rank}"
     return None
@@ -132,20 +155,29 @@ class LoraAdapter:
 
 
 def targeted(config: AdapterConfig, num_layers: int) -> set[tuple[int, str]]:
-    """The (layer, target) pairs the config's target_modules select, by PEFT's rules: a string is a
-    regex matched against the whole module name; a list names modules by their last parts."""
+    """The (layer, target) pairs the config's target_modules select and its exclude_modules do not,
+    by PEFT's rules: a string is a regex matched against the whole module name; a list names
+    modules by their last parts."""
     names = {(i, t): f"model.layers.{i}.{PARENTS[t]}.{t}" for i in range(num_layers) for t in TARGETS}
+    if config.exclude_modules:
+        names = {key: name for key, name in names.items() if not _named(config.exclude_modules, name)}
     if config.target_modules == "all-linear":
         return set(names)
-    if isinstance(config.target_modules, str):
-        return {key for key, name in names.items() if re.fullmatch(config.target_modules, name)}
-    wanted = set(config.target_modules)
-    unknown = sorted(w for w in wanted if not any(n == w or n.endswith("." + w) for n in names.values()))
-    if unknown:
-        raise AdapterError(
-            f"target_modules: {unknown} are not linear layers of this model (supported: {', '.join(TARGETS)})"
-        )
-    return {key for key, name in names.items() if any(name == w or name.endswith("." + w) for w in wanted)}
+    if isinstance(config.target_modules, list):
+        everything = {f"model.layers.{i}.{PARENTS[t]}.{t}" for i in range(num_layers) for t in TARGETS}
+        unknown = sorted(w for w in config.target_modules if not _named([w], *everything))
+        if unknown:
+            raise AdapterError(
+                f"target_modules: {unknown} are not linear layers of this model (supported: {', '.join(TARGETS)})"
+            )
+    return {key for key, name in names.items() if _named(config.target_modules, name)}
+
+
+def _named(modules: list[str] | str, *names: str) -> bool:
+    """Whether PEFT's `modules` (a regex over the whole name, or a list of last parts) name any of `names`."""
+    if isinstance(modules, str):
+        return any(re.fullmatch(modules, n) for n in names)
+    return any(n == m or n.endswith("." + m) for n in names for m in modules)
 
 
 def load_adapter(
@@ -172,18 +204,26 @@ def load_adapter(
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise AdapterError(f"{path}: no adapter_model.safetensors")
-    with safe_open(weights_file, framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-            m = TENSOR_NAME.match(key)
-            if m is None or m.group(3) not in TARGETS or PARENTS[m.group(3)] != m.group(2):
-                raise AdapterError(
-                    f"tensor {key}: not a LoRA A/B weight of a linear layer (added tokens, "
-                    "embeddings and extra modules are not supported)"
-                )
-            layer, target = int(m.group(1)), m.group(3)
-            if (layer, target) not in wanted:
-                raise AdapterError(f"tensor {key}: its layer is not in target_modules")
-            found.setdefault((layer, target), {})[m.group(4)] = f.get_tensor(key).to(device)
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                m = TENSOR_NAME.match(key)
+                if m is None or m.group(3) not in TARGETS or PARENTS[m.group(3)] != m.group(2):
+                    raise AdapterError(
+                        f"tensor {key}: not a LoRA A/B weight of a linear layer (added tokens, "
+                        "embeddings and extra modules are not supported)"
+                    )
+                layer, target = int(m.group(1)), m.group(3)
+                if layer >= cfg.num_layers:
+                    raise AdapterError(
+                        f"tensor {key}: layer {layer} is beyond the model's {cfg.num_layers} layers "
+                        "(an adapter for another base model?)"
+                    )
+                if (layer, target) not in wanted:
+                    raise AdapterError(f"tensor {key}: its layer is not in target_modules or is in exclude_modules")
+                found.setdefault((layer, target), {})[m.group(4)] = f.get_tensor(key).to(device)
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"{weights_file}: cannot be read ({e}); a truncated or damaged file?") from e
     weights = {}
     for key in sorted(wanted):
         pair = found.get(key, {})

@@ -389,11 +389,13 @@ class LLMEngine:
         if grant.load:
             try:
                 self._load_adapter(grant.slot, seq.adapter)
-            except AdapterError as e:
+            except BaseException as e:  # whatever failed, the slot must not stay pinned or named for it
                 self.adapter_slots.release(grant.slot)
                 self.adapter_slots.drop(seq.adapter)
                 self.stats.record_adapter_load("refused", 0.0)
-                raise InvalidRequest(f"adapter {seq.adapter[0]!r} cannot be served: {e}") from e
+                if isinstance(e, AdapterError):
+                    raise InvalidRequest(f"adapter {seq.adapter[0]!r} cannot be served: {e}") from e
+                raise
         seq.adapter_slot = grant.slot
         seq.cache_salt = adapter_salt(*seq.adapter, self._slot_generation[grant.slot])
         return True
