@@ -134,7 +134,12 @@ class AppConfig(BaseModel):
         description="token positions per sequence; a longer prompt is a 400. At most the model's "
         "max_position_embeddings: more is served as that, with a warning in the log",
     )
-    max_waiting: int = Field(256, ge=0, description="requests queued beyond the batch; past it, 503")
+    max_waiting: int = Field(
+        256,
+        ge=0,
+        description="sequences a replica queues beyond its batch, and an ingress beyond its replicas' room; "
+        "past it, 503 with Retry-After",
+    )
     dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None, description="the weights' dtype; null: the checkpoint's"
     )

@@ -25,6 +25,7 @@ from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice
 from app.metrics import render
 from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
+from policies.admission import admits
 from policies.graph_policy import GraphPolicy
 from workers.modeling.default_model import model_name
 from workers.protocol import ChoiceChunk, Failure, GenerateRequest, Item, decode_item, encode
@@ -222,6 +223,7 @@ class Ingress:
         self.readiness = ReadinessView(lambda: self.controller.call(GraphController.replica_statuses))
         self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
         self._registered_at = -math.inf
+        self._sequences = 0  # sequences of the requests this ingress has under way (n each)
 
     async def _adapters(self) -> dict[str, str]:
         """Every adapter served, name -> path: the config's lora_modules and those registered
@@ -244,6 +246,19 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         if auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys) is None:
             return error_response(401, "invalid or missing API key")
+        return JSONResponse({"object": "list", "data": await self._model_cards()})
+
+    @api.get("/v1/models/{model:path}")
+    async def retrieve_model(self, model: str, request: Request) -> Response:
+        """OpenAI's retrieve-model: the card /v1/models lists for it, or a 404."""
+        if auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys) is None:
+            return error_response(401, "invalid or missing API key")
+        card = next((c for c in await self._model_cards() if c["id"] == model), None)
+        if card is None:
+            return error_response(404, f"model {model!r} is not served here; /v1/models lists what is", "model")
+        return JSONResponse(card)
+
+    async def _model_cards(self) -> list[dict]:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "graphserve"}
         adapters = [
             {
@@ -256,7 +271,7 @@ class Ingress:
             }
             for name, path in sorted((await self._adapters()).items())
         ]
-        return JSONResponse({"object": "list", "data": [{**card, **await self._serving()}, *adapters]})
+        return [{**card, **await self._serving()}, *adapters]
 
     async def _serving(self) -> dict:
         """What the READY replicas serve (it follows a model swap): checkpoint, revision(s) and
@@ -328,12 +343,24 @@ class Ingress:
             encode(payload)
         except (OverflowError, msgspec.EncodeError) as e:  # an integer no engine could hold (a token id of 2**70)
             return error_response(400, f"a number in the request is out of range: {e}")
+        replicas = len(await self.readiness.serving())
+        if not admits(self._sequences, req.n, replicas, self.config.max_num_seqs, self.config.max_waiting):
+            return error_response(
+                503,
+                f"the server is at capacity ({self._sequences} sequences under way through this ingress: "
+                "max_num_seqs plus max_waiting per replica serving, and max_waiting more); retry later",
+                headers=RETRY_AFTER,
+            )
         adapter_name = adapter[0] if adapter else None
         items = self._resumable(payload, adapter_name) if req.n == 1 else self._choices(payload, adapter_name)
+        items = self._counted(items, req.n)
         first = await anext(items)
         if isinstance(first, Failure):
             await items.aclose()
-            return error_response(first.status, first.error, first.param, RETRY_AFTER if first.status == 503 else None)
+            message, param = first.error, first.param
+            if param == "max_tokens" and req.max_tokens_field() != param:  # the field as the client wrote it
+                message, param = message.replace("max_tokens=", f"{req.max_tokens_field()}=", 1), req.max_tokens_field()
+            return error_response(first.status, message, param, RETRY_AFTER if first.status == 503 else None)
         shape = ResponseShape(chat, req.model, req.n, sampling.logprobs is not None)
         seed = {SEED_HEADER: str(first.seed)}
         if req.stream:
@@ -344,6 +371,16 @@ class Ingress:
         response = await self._collect(shape, first, items)
         response.headers.update(seed)
         return response
+
+    async def _counted(self, items: AsyncGenerator[Item], n: int) -> AsyncGenerator[Item]:
+        """`items`, its request's n sequences counted as under way until they end or are left."""
+        self._sequences += n
+        try:
+            async for item in items:
+                yield item
+        finally:
+            self._sequences -= n
+            await items.aclose()
 
     async def _resumable(
         self,

@@ -25,6 +25,7 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
@@ -103,10 +104,40 @@ class JsonSchemaFormat(BaseModel):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
+# Fields OpenAI's reference marks nullable whose null means the default (clients and wrapper libraries
+# pass their own unset defaults through as null)
+NULL_MEANS_DEFAULT = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stream",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "echo",
+)
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options", "stream_options is only allowed with stream: true")
+        return v
 
     model: StrictStr
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -176,6 +207,10 @@ class SamplingFields(BaseModel):
         the prompt leaves."""
         return self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The field the client set the completion's length with: what a 400 about it names."""
+        return "max_tokens"
+
     def logprob_count(self) -> int | None:
         """How many alternatives each token's logprob lists (None: no logprobs)."""
         return None
@@ -203,6 +238,22 @@ class CompletionRequest(SamplingFields):
     echo: Annotated[Literal[False], _json_type("a boolean", bool)] = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        """OpenAI's batch forms (a list of strings, a list of token-id lists) with one prompt are that
+        prompt; a batch of several is refused by name (one prompt per request here)."""
+        if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
+            if len(v) > 1:
+                raise PydanticCustomError(
+                    "batch",
+                    "a batch of {count} prompts is not supported: send one prompt (a string or a list of "
+                    "token ids) per request",
+                    {"count": len(v)},
+                )
+            return v[0]
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: str | list[int]) -> str | list[int]:
@@ -220,11 +271,44 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+def _no_tool_calls(value: Any) -> None:
+    """Tool calls in a message (null or [] ask for none): what a client sends back of a reply it got."""
+    if value is None or value == []:
+        return None
+    raise PydanticCustomError("tools", "tool calling is not supported")
+
+
+NoToolCalls = Annotated[None, BeforeValidator(_no_tool_calls)]
+
+
 class ChatMessage(BaseModel):
+    """A message. An assistant message may be a reply as the openai client dumps it (refusal,
+    tool_calls, function_call, audio and annotations null, content null)."""
+
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    refusal: StrictStr | None = None
+    tool_calls: NoToolCalls = None
+    function_call: NoToolCalls = None
+    audio: None = None
+    annotations: list[dict[StrictStr, Any]] | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_results(cls, v: Any) -> Any:
+        if v in ("tool", "function"):
+            raise PydanticCustomError("tools", "tool calling is not supported (a '{role}' message)", {"role": v})
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role != "assistant":
+            raise PydanticCustomError("content", "content is required in a {role} message", {"role": role})
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -238,7 +322,7 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict[str, str]:
         """The message as a chat template reads it: text parts joined, `developer` (OpenAI's newer
         name for system instructions) as `system`."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
         out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         return {**out, "name": self.name} if self.name is not None else out
 
@@ -251,11 +335,14 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None  # meaningless without tools, which are refused
     tools: None = None
     tool_choice: None = None
+    functions: None = None  # the legacy names of tools and tool_choice
+    function_call: None = None
 
-    @field_validator("tools", "tool_choice", mode="before")
+    @field_validator("tools", "tool_choice", "functions", "function_call", mode="before")
     @classmethod
     def _no_tools(cls, v: Any) -> None:
-        """Tools are refused; `tools: []` and `tool_choice: "none"` ask for none, and are served."""
+        """Tools are refused; `tools: []` and `tool_choice: "none"` (and their legacy names) ask
+        for none, and are served."""
         if v is None or (isinstance(v, list) and not v) or v == "none":
             return None
         raise ValueError("tool calling is not supported")
@@ -269,6 +356,9 @@ class ChatRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

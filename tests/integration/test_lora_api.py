@@ -78,6 +78,7 @@ def test_the_openai_client_picks_an_adapter_by_model_name(app):
     cards = {m.id: m for m in client(server).models.list().data}
     assert set(cards) == {MODEL, "greet"}
     assert cards["greet"].model_extra["parent"] == MODEL and cards["greet"].model_extra["root"] == adapters["greet"]
+    assert client(server).models.retrieve("greet").model_extra["parent"] == MODEL
     with_adapter, plain = complete(server, "greet"), complete(server, MODEL)
     assert with_adapter == alone(base, ("greet", adapters["greet"]))
     assert plain == alone(base, None) and plain != with_adapter

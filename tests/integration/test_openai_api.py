@@ -64,9 +64,14 @@ def test_models_list(server, client):
     """models.list returns exactly the served model; a wrong key is refused."""
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model]
+    assert client.models.retrieve(server.model).model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("no-such-model")
     with openai.OpenAI(base_url=server.v1, api_key="not-a-key", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.retrieve(server.model)
 
 
 def test_completion_non_streaming(server, client):

@@ -228,6 +228,20 @@ def test_what_common_clients_send_is_served():
         ({"tool_choice": "auto"}, "tool_choice", "tool calling is not supported"),
         ({"response_format": {"type": "regex"}}, "response_format", "'text', 'json_object', 'json_schema'"),
         ({"metadata": {"k": 1}}, "metadata", "string"),
+        ({"functions": [{"name": "f"}]}, "functions", "tool calling is not supported"),
+        ({"function_call": "auto"}, "function_call", "tool calling is not supported"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "4", "tool_call_id": "c"}]},
+            "messages.1.role",
+            "tool calling is not supported",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+            "messages.0.tool_calls",
+            "tool calling is not supported",
+        ),
+        ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", "content is required in a user"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),
     ],
 )
 def test_what_would_change_the_meaning_of_a_request_is_refused_naming_it(changes, field, says):
@@ -485,3 +499,47 @@ def test_a_refused_field_is_named_by_its_path_in_the_body(schema, body, param):
     with pytest.raises(ValidationError) as info:
         schema.model_validate(body)
     assert _validation_message(info.value, body)[1] == param
+
+
+def test_null_sampling_fields_mean_their_defaults():
+    """OpenAI's nullable fields sent as null (what wrapper libraries pass through) are the defaults."""
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty"))
+    assert ChatRequest.model_validate({**CHAT, **nulls}).sampling() == ChatRequest.model_validate(CHAT).sampling()
+    req = CompletionRequest.model_validate({**COMPLETION, **nulls, "echo": None})
+    assert req.n == 1 and req.stream is False and req.echo is False and req.temperature == 1.0
+
+
+def test_a_reply_sent_back_as_the_openai_client_dumps_it_is_served():
+    """An assistant message with refusal, tool_calls, function_call, audio and annotations null (the
+    SDK's model_dump of a reply), or with content null, is a turn of the conversation."""
+    reply = {
+        "role": "assistant",
+        "content": "Hello!",
+        "refusal": None,
+        "tool_calls": None,
+        "function_call": None,
+        "audio": None,
+        "annotations": [],
+    }
+    messages = [{"role": "user", "content": "hi"}, reply, {"role": "assistant", "content": None}]
+    req = ChatRequest.model_validate({**CHAT, "messages": messages})
+    assert [m.for_template() for m in req.messages][1:] == [
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+def test_a_batch_prompt_of_one_is_that_prompt_and_of_several_is_refused():
+    assert CompletionRequest.model_validate({**COMPLETION, "prompt": ["Say hi."]}).prompt == "Say hi."
+    assert CompletionRequest.model_validate({**COMPLETION, "prompt": [[5, 6, 7]]}).prompt == [5, 6, 7]
+    for batch in (["a", "b"], [[1], [2]]):
+        with pytest.raises(ValidationError, match="a batch of 2 prompts is not supported"):
+            CompletionRequest.model_validate({**COMPLETION, "prompt": batch})
+
+
+def test_the_length_field_a_400_names_is_the_one_the_client_set():
+    assert (
+        ChatRequest.model_validate({**CHAT, "max_completion_tokens": 9}).max_tokens_field() == "max_completion_tokens"
+    )
+    assert ChatRequest.model_validate({**CHAT, "max_tokens": 9}).max_tokens_field() == "max_tokens"
+    assert CompletionRequest.model_validate({**COMPLETION, "max_tokens": 9}).max_tokens_field() == "max_tokens"
