@@ -331,6 +331,8 @@ class AppConfig(BaseModel):
             raise ValueError("lora_modules needs lora: {max_loras, max_lora_rank} to allocate adapter slots")
         if self.served_name() in self.lora_modules:
             raise ValueError(f"lora_modules: adapter {self.served_name()!r} has the served model's name")
+        if self.max_num_seqs is not None:  # else the device's default, which the config does not name
+            self.cuda_graph_policy.check_fits(self.max_num_seqs)
         return self
 
     @classmethod

@@ -215,6 +215,7 @@ class GraphController:
         self.made_for: dict | None = None
         self.archived: list[dict] = []
         self._loop: asyncio.Task | None = None
+        self._evaluated: tuple[str, float] = ("", 0.0)  # the rollout the loop last evaluated (or first saw), when
         state = _read_state(self.path)
         if state is not None:
             self.toggles.update(state["toggles"])
@@ -700,19 +701,36 @@ class GraphController:
 
     async def _decide_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.decide_every_s())
+            await asyncio.sleep(min(self.decide_every_s(), DECIDE_EVERY_S))
             try:
-                self.evaluate_rollout()
+                if self.rollout_due(time.monotonic()):
+                    self.evaluate_rollout()
                 self.check_swap()
             except Exception:
                 log.exception("rollout evaluation failed")
 
     def decide_every_s(self) -> float:
-        """The decision loop's pause: a running rollout's `guards.interval_s`, else a second (the
-        pending swap's check); a finished rollout's interval no longer counts."""
+        """How often the running rollout is evaluated: its `guards.interval_s`, else a second (the
+        pending swap's check); a finished rollout's interval no longer counts. The loop wakes at
+        least every second whatever it is, so a rollout started meanwhile never waits out the
+        last one's interval."""
         if self.rollout is None or self.rollout.finished:
             return DECIDE_EVERY_S
         return max(self.rollout.plan.guards.interval_s, MIN_INTERVAL_S)
+
+    def rollout_due(self, now: float) -> bool:
+        """Whether the running rollout's interval has passed since it was last evaluated (or since
+        the loop first saw it)."""
+        if self.rollout is None or self.rollout.finished:
+            return False
+        rollout_id, at = self._evaluated
+        if rollout_id != self.rollout.id:
+            self._evaluated = (self.rollout.id, now)
+            return False
+        if now - at < self.decide_every_s():
+            return False
+        self._evaluated = (rollout_id, now)
+        return True
 
     def _new_transitions(self, changed: Rollout) -> list:
         """What a changed copy of the current rollout has recorded since (one action may record two,

@@ -27,12 +27,13 @@ from app.openai_protocol import ChatRequest, Choice, CompletionRequest, Response
 from app.readiness import ReadinessView
 from policies.admission import admits
 from policies.graph_policy import GraphPolicy
+from policies.model_swap import MAX_PATH_CHARS
 from workers.modeling.default_model import model_name
 from workers.protocol import ChoiceChunk, Failure, GenerateRequest, Item, decode_item, encode
 from workers.serving.sampling import InvalidRequest
 
 log = logging.getLogger(__name__)
-api = FastAPI(title="graphserve", docs_url=None, redoc_url=None)
+api = FastAPI(title="graphserve", docs_url=None, redoc_url=None, redirect_slashes=False)  # a 404, not a 307
 RETRY_AFTER = {"Retry-After": "5"}
 SEED_HEADER = "x-graphserve-seed"  # the seed a completion was sampled with: sent back as `seed`, it samples it again
 SWAP_RETRY_S = 0.05
@@ -199,7 +200,7 @@ async def _chain_items(first: ChoiceChunk, items: AsyncGenerator[Item]) -> Async
 class AdapterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: StrictStr
-    path: StrictStr = Field(min_length=1)
+    path: StrictStr = Field(min_length=1, max_length=MAX_PATH_CHARS)
 
     @field_validator("name")
     @classmethod
@@ -645,6 +646,10 @@ class Ingress:
         policy = await _admin_body(request, GraphPolicy, "a graph policy")
         if isinstance(policy, JSONResponse):
             return policy
+        try:
+            policy.check_fits(self.config.max_num_seqs)
+        except ValueError as e:
+            return JSONResponse({"detail": str(e), "field": "decode_batch_buckets"}, status_code=400)
         previous = {"graph_policy": self.config.graph_policy().model_dump(mode="json")}
         result = await self.controller.call(
             GraphController.start_swap, "graph_policy", policy.model_dump(mode="json"), previous, request.state.operator

@@ -129,7 +129,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _nulls_are_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT and k in fields)}
         return data
 
     @field_validator("stream_options")
@@ -233,10 +234,24 @@ class SamplingFields(BaseModel):
         )
 
 
+def _no_suffix(value: Any) -> None:
+    if value is None:
+        return None
+    raise PydanticCustomError("unsupported", "suffix is not supported")
+
+
+def _one_of_best(value: Any) -> int | None:
+    if value is None or (type(value) is int and value == 1):
+        return value
+    raise PydanticCustomError("unsupported", "best_of other than 1 is not supported; use n")
+
+
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictInt]
     echo: Annotated[Literal[False], _json_type("a boolean", bool)] = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Annotated[None, BeforeValidator(_no_suffix)] = None  # null, as OpenAI's clients may send it
+    best_of: Annotated[int | None, BeforeValidator(_one_of_best)] = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ from policies.restarts import RestartBudget
 from policies.rollout import CohortRule, graph_denial
 from workers.front.async_engine import EngineDeadError, RequestFailed
 from workers.front.engine_process import EngineChild
+from workers.modeling.checkpoint_dir import CheckpointError, check_model_path
 from workers.protocol import (
     ChoiceChunk,
     Coalescing,
@@ -381,12 +382,19 @@ class LLMReplica:
     async def _swap(self, order: dict) -> None:
         """This replica's turn in a rolling swap: drain, swap the engine (gated), report each step."""
         swap_id = order["id"]
+        target = with_target(self.config, order["target"])
+        try:
+            if target.model is not None:
+                check_model_path(target.model)  # a typo must not drain anyone's stream
+        except CheckpointError as e:
+            log.error("replica %s: swap %s refused before draining: %s", self.replica_id, swap_id, e)
+            self._set_swap_step(swap_id, "reverted", str(e))
+            return
         self._set_swap_step(swap_id, "draining")
         self.draining = True
         try:
             await self._drain(order["drain_timeout_s"])
             self._set_swap_step(swap_id, "loading")
-            target = with_target(self.config, order["target"])
             try:
                 report = await self.engine.swap(engine_config(target))
             except Exception as e:
@@ -409,7 +417,7 @@ class LLMReplica:
 
     async def _drain(self, timeout_s: float) -> None:
         """Let running requests finish on the old model (their steps run eager, labelled
-        rebuilding); past timeout_s the rest end with finish reason `abort` and an error event."""
+        rebuilding); past timeout_s the rest end with an error event (a 503 to retry)."""
         for request_id in list(self.tenant_of):
             self.denial_of[request_id] = FallbackReason.REBUILDING
             self.engine.set_graph_denial(request_id, FallbackReason.REBUILDING)
@@ -513,10 +521,11 @@ class LLMReplica:
                         first_at = now
                         self.metrics.ttft.observe(now - start)
                     logprobs = logprob_items(self.tokenizer, event) if params[index].logprobs is not None else None
+                    drained = event.finish_reason == "abort" and self.draining  # ended by a swap's drain timeout
                     yield ChoiceChunk(
                         index,
                         event.text,
-                        event.finish_reason,
+                        None if drained else event.finish_reason,
                         event.prompt_tokens,
                         event.cached_tokens,
                         event.completion_tokens,
@@ -531,10 +540,12 @@ class LLMReplica:
                         outcome = "ok" if ended == n else outcome
                         if first_at is not None and event.completion_tokens > 1:
                             self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
-                    if event.finish_reason == "abort" and self.draining:  # ended by a swap's drain timeout
+                    if drained:  # no finish reason: the client's stream ends with this error instead
+                        outcome = "unavailable"
                         yield Failure(
                             "the model is being swapped and this request ran past the drain timeout; retry it", 503
                         )
+                        return
             except (EngineDeadError, RequestFailed) as e:
                 outcome = "engine_failed"
                 log.warning("replica %s: request %s ended by an engine failure: %s", self.replica_id, request_id, e)

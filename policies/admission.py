@@ -14,4 +14,6 @@ def ingress_capacity(replicas_serving: int, max_num_seqs: int, max_waiting: int)
 
 
 def admits(under_way: int, n: int, replicas_serving: int, max_num_seqs: int, max_waiting: int) -> bool:
-    return under_way + n <= ingress_capacity(replicas_serving, max_num_seqs, max_waiting)
+    """With nothing under way a request always goes on: one that no replica could ever hold (n past
+    a replica's room) is then the replica's 400, not a 503 that no retry gets past."""
+    return under_way == 0 or under_way + n <= ingress_capacity(replicas_serving, max_num_seqs, max_waiting)

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+
+MAX_GRAPH_MEMORY_MB = 1 << 20  # a terabyte: more than any device holds
 
 
 class GraphPolicy(BaseModel):
@@ -23,49 +25,51 @@ class GraphPolicy(BaseModel):
         description="`full` captures the whole decode step; `piecewise` captures the stretches between attention "
         "calls and runs attention eager; `eager` captures nothing (reason `disabled`)",
     )
-    decode_batch_buckets: tuple[int, ...] | None = Field(
+    decode_batch_buckets: tuple[StrictInt, ...] | None = Field(
         None,
         description="the decode batch sizes to capture, strictly increasing, each >= 1; null: 1, 2, 4, 8, every 8 "
         "to 64, every 32 to max_num_seqs (17 for 256)",
     )
-    capture_prefill: bool = Field(
+    capture_prefill: StrictBool = Field(
         True,
         description="capture a prefill's pieces between attention calls once per bucket of token counts "
         "(`prefill_token_buckets`) and run attention eager between them, and run a prefill of a few tokens "
         "as rows of the captured decode step; false: prefill runs eager",
     )
-    prefill_token_buckets: tuple[int, ...] | None = Field(
+    prefill_token_buckets: tuple[StrictInt, ...] | None = Field(
         None,
         description="the prefill token counts to capture, strictly increasing; a prefill of more tokens than "
         "the largest runs eager. null: 16, 32, ... 512, then every 256 to 2048, none above "
         "max_num_batched_tokens",
     )
-    max_cached_graphs: int | None = Field(
+    max_cached_graphs: StrictInt | None = Field(
         None,
         ge=0,
         description="at most this many buckets are captured, largest first; the others run eager "
         "(`evicted`). null: every bucket",
     )
-    graph_memory_budget_mb: float = Field(
+    graph_memory_budget_mb: StrictFloat = Field(
         2048,
         ge=0,
+        le=MAX_GRAPH_MEMORY_MB,
+        allow_inf_nan=False,
         description="memory all captured graphs may take, kept out of the KV pool; a bucket that would "
         "pass it runs eager (`evicted`)",
     )
     fallback_mode: Literal["eager"] = Field(
         "eager", description="how a step without a graph runs: eager, with a fallback reason"
     )
-    capture_on_startup: bool = Field(
+    capture_on_startup: StrictBool = Field(
         True,
         description="capture every bucket before the replica is READY; false: nothing is captured, every "
         "step runs eager (reason `disabled`)",
     )
-    compile: bool | None = Field(
+    compile: StrictBool | None = Field(
         None,
         description="inductor-compile the decode step, then capture it; needs mode `full`. null: true with mode "
         "`full` (the compiled step won at every batch size measured)",
     )
-    shadow_verify_every_n_steps: int = Field(
+    shadow_verify_every_n_steps: StrictInt = Field(
         1000,
         ge=0,
         description="every n-th replayed decode step is recomputed eagerly and must match bit for bit (0: never)",
@@ -94,6 +98,13 @@ class GraphPolicy(BaseModel):
     def compiles(self) -> bool:
         """Whether the decode step is inductor-compiled before capture (where graphs are captured)."""
         return self.mode == "full" if self.compile is None else self.compile
+
+    def check_fits(self, max_num_seqs: int) -> None:
+        """A decode bucket larger than the batch can ever be would only take memory (a bucket of 10^9
+        rows would try to allocate its inputs): ValueError naming them."""
+        beyond = [b for b in self.decode_batch_buckets or () if b > max_num_seqs]
+        if beyond:
+            raise ValueError(f"decode_batch_buckets: {beyond} above max_num_seqs={max_num_seqs}")
 
     def buckets(self, max_num_seqs: int) -> tuple[int, ...]:
         """The decode batch sizes to capture for a batch limit of max_num_seqs."""

@@ -24,6 +24,7 @@ class SwapPhase(str, Enum):
 
 
 STEPS = ("waiting", "draining", "loading", "serving", "reverted")
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX: a longer path names nothing, and swaps are persisted and echoed
 DONE = ("serving", "reverted")
 
 
@@ -33,10 +34,10 @@ class SwapRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # a checkpoint directory every replica can read (no NUL: no path holds one)
-    model: StrictStr = Field(min_length=1, pattern=r"^[^\x00]+$")
+    model: StrictStr = Field(min_length=1, max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$")
     revision: StrictStr | None = Field(None, min_length=1, max_length=128)  # a label; None: a content id
     max_unavailable: StrictInt = Field(1, ge=1)
-    drain_timeout_s: StrictFloat | StrictInt = Field(30.0, gt=0)  # then running requests end with `abort`
+    drain_timeout_s: StrictFloat | StrictInt = Field(30.0, gt=0)  # then running requests end with an error
     replica_timeout_s: StrictFloat | StrictInt = Field(1800.0, gt=0)
 
 

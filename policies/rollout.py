@@ -27,13 +27,18 @@ BUCKETS = 10_000  # cohort resolution: percent * 100 of these buckets
 # plan starts (`GraphController.start_rollout`), not here, so that a state file of an older version
 # holding a smaller one still loads (its loop runs at this interval).
 MIN_INTERVAL_S = 0.05
+# Bounds on what a plan may ask: a plan is persisted and echoed by every status call
+MAX_INTERVAL_S = 3600.0
+MAX_HOLD_S = 30 * 24 * 3600.0
+MAX_STEPS = 100
+MAX_SALT_CHARS = 256
 
 
 class RolloutStep(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "50" is not a percent
 
     percent: float = Field(ge=0, le=100)
-    hold_s: float | None = Field(None, ge=0)  # the last step may omit it: reaching it ends the rollout
+    hold_s: float | None = Field(None, ge=0, le=MAX_HOLD_S)  # the last step may omit it: reaching it ends it
 
 
 class Guards(BaseModel):
@@ -42,7 +47,7 @@ class Guards(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    interval_s: float = Field(10.0, gt=0)  # how often the controller evaluates (a new plan's: >= MIN_INTERVAL_S)
+    interval_s: float = Field(10.0, gt=0, le=MAX_INTERVAL_S)  # how often the controller evaluates (>= MIN_INTERVAL_S)
     min_samples: int = Field(50, ge=1)  # per cohort, per guard, within the current stage
     failure_limit: int = Field(3, ge=1)  # failed evaluations (in one stage) that roll back
     max_error_rate_delta: float | None = Field(0.01, ge=0)  # graph-cohort error rate minus holdback's
@@ -53,10 +58,10 @@ class Guards(BaseModel):
 class RolloutPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "50" is not a percent
 
-    steps: list[RolloutStep] = Field(min_length=1)
+    steps: list[RolloutStep] = Field(min_length=1, max_length=MAX_STEPS)
     unit: Literal["tenant", "request"] = "tenant"
     guards: Guards = Guards()
-    salt: str = ""
+    salt: str = Field("", max_length=MAX_SALT_CHARS)
 
     @model_validator(mode="after")
     def _steps_in_order(self) -> RolloutPlan:

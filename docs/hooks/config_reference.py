@@ -10,7 +10,7 @@ import inspect
 import json
 import re
 from collections.abc import Iterator
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -44,6 +44,8 @@ def nested(annotation: Any) -> Iterator[type[BaseModel]]:
 def type_name(annotation: Any) -> str:
     """A field's type in the words of a YAML file."""
     origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:  # StrictInt and the like: the type, taken only as itself
+        return type_name(args[0])
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
     if origin is Literal:
@@ -67,13 +69,17 @@ def default(field: FieldInfo) -> str:
 
 
 def constraints(field: FieldInfo) -> str:
-    return ", ".join(constraint(m) for m in field.metadata)
+    return ", ".join(c for c in map(constraint, field.metadata) if c)
 
 
 def constraint(metadata: Any) -> str:
     for key, sign in BOUNDS.items():
         if hasattr(metadata, key):
             return f"{sign} {getattr(metadata, key)}"
+    if hasattr(metadata, "strict"):  # the type column already names the only type taken
+        return ""
+    if getattr(metadata, "allow_inf_nan", True) is False:
+        return "finite"
     return str(metadata)
 
 

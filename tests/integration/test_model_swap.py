@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -168,6 +169,12 @@ def test_swaps_under_load(app):
     assert revisions(server) == ["v2", "v2"]
     assert served(server) == engine_alone(paths["v2"])
 
+    with Load(server) as load:  # a typo in the path: refused before any replica drains a stream
+        view = swap_to(server, Path(paths["v2"]).parent / "no-such-checkpoint", None)
+    assert view["swap"]["phase"] == "Failed" and "not a directory" in view["swap"]["reason"], view["swap"]
+    assert [s["step"] for p in view["swap"]["replicas"].values() for s in p["steps"]] == ["reverted"]
+    assert load.failures == [], load.failures[:3]
+
     with Load(server) as load:
         view = swap_to(server, paths["wide"], None)
     assert view["swap"]["phase"] == "Succeeded", view
@@ -177,4 +184,4 @@ def test_swaps_under_load(app):
     assert len(set(revisions(server))) == 1 and revisions(server)[0] not in ("v1", "v2")
     audit = server.http.get("/admin/audit", headers=server.admin_headers()).json()["audit"]
     phases = [a["phase"] for a in audit if a["action"] == "swap" and "reason" in a]
-    assert phases == ["Succeeded", "Failed", "Succeeded"]
+    assert phases == ["Succeeded", "Failed", "Failed", "Succeeded"]

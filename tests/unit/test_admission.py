@@ -14,6 +14,7 @@ def test_capacity_is_every_serving_replicas_room_and_max_waiting_more():
     assert admits(27, 1, 2, 8, 4) and not admits(28, 1, 2, 8, 4)
     assert not admits(20, 9, 2, 8, 4)  # a request counts its n sequences
     assert admits(0, 1, 1, 1, 0) and not admits(1, 1, 1, 1, 0)  # max_num_seqs 1, no queue: one at a time
+    assert admits(0, 2, 1, 1, 0)  # more than could ever fit goes on to the replica's 400, on an idle server
 
 
 def counting_ingress():

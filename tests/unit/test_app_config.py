@@ -237,3 +237,31 @@ def test_long_prefill_token_threshold_reaches_the_engine():
     assert engine_config(config).long_prefill_token_threshold == 1024
     with pytest.raises(ValidationError, match="long_prefill_token_threshold"):
         AppConfig.from_args({"long_prefill_token_threshold": -1})
+
+
+def test_a_decode_bucket_beyond_max_num_seqs_is_refused_naming_it():
+    """A bucket the batch can never reach would only allocate (10^9 rows tried 32 GB): refused,
+    in the config and by PUT /admin/graph-policy (`GraphPolicy.check_fits`)."""
+    with pytest.raises(ValidationError, match=r"decode_batch_buckets: \[64\] above max_num_seqs=32"):
+        AppConfig.model_validate({"max_num_seqs": 32, "cuda_graph_policy": {"decode_batch_buckets": [1, 8, 64]}})
+    AppConfig.model_validate({"max_num_seqs": 64, "cuda_graph_policy": {"decode_batch_buckets": [1, 8, 64]}})
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"decode_batch_buckets": ["1", "2"]},
+        {"decode_batch_buckets": [1.0, 2.0]},
+        {"capture_prefill": "yes"},
+        {"max_cached_graphs": True},
+        {"shadow_verify_every_n_steps": False},
+        {"graph_memory_budget_mb": 1e308},
+    ],
+)
+def test_graph_policy_values_are_taken_only_in_their_own_type_and_range(policy):
+    """No coercion (true is not 1 graph, false is not 'shadow verification off') and no unbounded
+    memory budget: each is a 400 naming the field at PUT /admin/graph-policy."""
+    from policies.graph_policy import GraphPolicy
+
+    with pytest.raises(ValidationError, match=next(iter(policy))):
+        GraphPolicy.model_validate(policy)

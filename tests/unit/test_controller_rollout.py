@@ -185,3 +185,37 @@ def test_the_decision_loop_runs_on_its_own(tmp_path):
         return c.rollout.history[-1].actor
 
     assert asyncio.run(scenario()) == "controller"
+
+
+def test_a_rollout_started_while_the_loop_waits_out_a_long_interval_is_evaluated_at_its_own(tmp_path):
+    """A rollout of interval_s 600 is aborted while the loop sleeps; the next, of 0.05 s, is
+    evaluated at its own pace (the loop used to sleep out the 600 s first)."""
+
+    async def scenario() -> None:
+        c = make(tmp_path)
+        c.report("r1", replica_status(1))
+        await c.get_permissions()  # starts the loop
+        c.start_rollout({**PLAN, "guards": {**GUARDS, "interval_s": 600}}, "alice")
+        await asyncio.sleep(0.2)  # the loop is asleep under the long interval now
+        c.rollout_action("abort", "alice")
+        c.start_rollout(PLAN, "alice")
+        c.report("r1", replica_status(2))
+        deadline = time.monotonic() + 5
+        while c.rollout.step == 0:
+            assert time.monotonic() < deadline, "the new rollout was not evaluated"
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+
+
+def test_a_plan_is_bounded_in_what_it_may_ask(tmp_path):
+    """A plan is persisted and echoed by every status call: its interval, holds, steps and salt are bounded."""
+    c = make(tmp_path)
+    for plan, field in (
+        ({**PLAN, "guards": {**GUARDS, "interval_s": 1e308}}, "interval_s"),
+        ({**PLAN, "steps": [{"percent": 10, "hold_s": 1e308}, {"percent": 100}]}, "hold_s"),
+        ({**PLAN, "steps": [{"percent": 10, "hold_s": 1}] * 101 + [{"percent": 100}]}, "steps"),
+        ({**PLAN, "salt": "s" * 257}, "salt"),
+    ):
+        refused = c.start_rollout(plan, "alice")
+        assert refused["status"] == 400 and field in refused["error"] and c.rollout is None

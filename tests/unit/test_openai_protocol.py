@@ -543,3 +543,16 @@ def test_the_length_field_a_400_names_is_the_one_the_client_set():
     )
     assert ChatRequest.model_validate({**CHAT, "max_tokens": 9}).max_tokens_field() == "max_tokens"
     assert CompletionRequest.model_validate({**COMPLETION, "max_tokens": 9}).max_tokens_field() == "max_tokens"
+
+
+def test_suffix_and_best_of_as_clients_may_send_them():
+    """Null (and best_of 1) mean what the defaults mean; a suffix or best_of > 1 is refused by name.
+    Chat has no echo: null or not, it is a field chat does not take."""
+    req = CompletionRequest.model_validate({**COMPLETION, "suffix": None, "best_of": 1})
+    assert req.sampling() == CompletionRequest.model_validate(COMPLETION).sampling()
+    for field, value, says in (("suffix", "!", "suffix is not supported"), ("best_of", 2, "best_of other than 1")):
+        with pytest.raises(ValidationError, match=says):
+            CompletionRequest.model_validate({**COMPLETION, field: value})
+    for echo in (None, False):
+        with pytest.raises(ValidationError, match="echo"):
+            ChatRequest.model_validate({**CHAT, "echo": echo})
