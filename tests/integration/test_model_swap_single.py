@@ -4,6 +4,7 @@ the bucket recommendation is fitted to the batch sizes the replica ran."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -105,3 +106,38 @@ def test_a_graph_policy_rebuild_and_the_bucket_recommendation(app):
     status = next(iter(server.admin_status()["replicas"].values()))
     assert sorted(status["buckets"]) == sorted(f"decode_bs_{b}" for b in rec["recommended"]["buckets"])
     assert server.complete(prompt="Hello", max_tokens=4).status_code == 200
+
+
+def drained_stream(server, target) -> tuple[list[dict], bool]:
+    """A long stream of 8 choices, then a swap to `target` with a drain timeout far shorter than
+    the stream: its events, and whether the swap reached the replica before the stream ended."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "n": 8, "ignore_eos": True, "stream": True}
+    events, started = [], None
+    with server.http.stream("POST", "/v1/completions", json=body, headers=server.key_headers()) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            events.append(json.loads(line[len("data: ") :]))
+            if started is None:
+                started = admin(server, "POST", "/admin/model", {"model": str(target), "drain_timeout_s": 0.01})
+                assert started.status_code == 202, started.text
+    assert finished_swap(server)["phase"] == "Succeeded"
+    return events, "error" in events[-1]
+
+
+def test_a_stream_past_a_swaps_drain_timeout_ends_with_an_error_event(app):
+    """What it generated, then OpenAI's error event (a 503 to retry) and [DONE]: no choice ends
+    with a finish reason (it used to end with 'abort', none of OpenAI's, and no error)."""
+    server, paths = app
+    for target in (paths["v1"], paths["wide"], paths["v1"]):  # the stream may outrun the swap's order
+        events, drained = drained_stream(server, target)
+        if drained:
+            break
+    assert drained, "no stream was still running when the swap drained the replica"
+    assert events[-1]["error"]["type"] == "service_unavailable" and "drain timeout" in events[-1]["error"]["message"]
+    assert all(c["finish_reason"] is None for e in events[:-1] for c in e["choices"])
+    assert any(c["text"] for e in events[:-1] for c in e["choices"])
+    assert server.complete().status_code == 200  # and the replica serves the new model
