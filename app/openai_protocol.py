@@ -70,6 +70,7 @@ def _json_type(expected: str, *types: type) -> BeforeValidator:
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # OpenAI pads chunks when true; none are padded here
 
 
 TOP_K_NO_LIMIT = 2**63 - 1  # a top_k of the vocabulary's size or more keeps every token: this one too

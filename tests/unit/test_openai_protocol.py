@@ -556,3 +556,12 @@ def test_suffix_and_best_of_as_clients_may_send_them():
     for echo in (None, False):
         with pytest.raises(ValidationError, match="echo"):
             ChatRequest.model_validate({**CHAT, "echo": echo})
+
+
+def test_stream_options_include_obfuscation_is_accepted_and_changes_nothing():
+    """The openai SDK sends it when a user sets it; no chunk is padded here, either way."""
+    for value in (True, False, None):
+        req = ChatRequest.model_validate(
+            {**CHAT, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": value}}
+        )
+        assert req.stream_options.include_usage and req.sampling() == ChatRequest.model_validate(CHAT).sampling()
