@@ -481,14 +481,13 @@ class LLMReplica:
                 max_tokens = fit_max_tokens(
                     request.kind, request.max_tokens, len(prompt_ids), self.engine_status.max_model_len
                 )
-                kv_cache = self.engine_status.kv_cache
                 max_tokens = fit_choices(
                     n,
                     max_tokens,
                     request.max_tokens is not None,
                     len(prompt_ids),
-                    kv_cache,
-                    kv_cache.max_num_seqs + self.config.max_waiting,
+                    self.engine_status.kv_cache,
+                    self.config.max_waiting,
                 )
                 sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
                 resume = continuation(request)
@@ -676,13 +675,14 @@ def logprob_items(tokenizer, event: StreamEvent) -> list[LogprobItem]:
 
 
 def fit_choices(
-    n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: KvCacheStatus, capacity: int
+    n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: KvCacheStatus, max_waiting: int
 ) -> int:
     """max_tokens for n choices, which run side by side as n sequences. More of them than the
-    replica holds at once (`capacity`: running and queued) is a 400 naming n, not a 503 that no
-    retry could get past. All n at full length must fit the replica's KV pool, or one request would
+    replica holds at once (max_num_seqs running and max_waiting queued) is a 400 naming n, not a
+    503 that no retry could get past. All n at full length must fit the replica's KV pool, or one request would
     only run by preempting itself: a default max_tokens shrinks to fit; an explicit one that does
     not fit is a 400."""
+    capacity = kv_cache.max_num_seqs + max_waiting
     if n > capacity:
         raise InvalidRequest(
             f"n={n} choices run as {n} sequences, more than this replica holds at once ({capacity}: "

@@ -4,6 +4,7 @@ merge of their streams (a consumer that leaves ends every choice), and logprobs'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -14,7 +15,8 @@ from workers.serving.outputs import KvCacheStatus
 from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob, choice_seed
 
 KV = KvCacheStatus(page_size=16, pages=64, pages_free=64, pages_cached=0, max_num_seqs=64, preemptions=0)  # 1024 tokens
-CAPACITY = 64  # sequences a replica holds at once: none of these requests asks for more
+MAX_WAITING = 0  # with KV's 64 slots: none of these requests asks for more sequences
+HOLDS_3 = dataclasses.replace(KV, max_num_seqs=2)  # and max_waiting=1: 3 sequences at once
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +33,19 @@ def test_choice_sampling_seeds():
 
 
 def test_choices_must_fit_the_kv_pool_side_by_side():
-    assert fit_choices(1, 1000, True, 24, KV, CAPACITY) == 1000
-    assert fit_choices(4, 200, True, 50, KV, CAPACITY) == 200  # 4 x 250 <= 1024
+    assert fit_choices(1, 1000, True, 24, KV, MAX_WAITING) == 1000
+    assert fit_choices(4, 200, True, 50, KV, MAX_WAITING) == 200  # 4 x 250 <= 1024
     with pytest.raises(InvalidRequest, match="n=4"):
-        fit_choices(4, 300, True, 50, KV, CAPACITY)
-    assert fit_choices(4, 900, False, 50, KV, CAPACITY) == 206  # a default shrinks: 1024 // 4 - 50
+        fit_choices(4, 300, True, 50, KV, MAX_WAITING)
+    assert fit_choices(4, 900, False, 50, KV, MAX_WAITING) == 206  # a default shrinks: 1024 // 4 - 50
     with pytest.raises(InvalidRequest, match="KV cache"):
-        fit_choices(16, 10, False, 64, KV, CAPACITY)  # no room at all for a choice
+        fit_choices(16, 10, False, 64, KV, MAX_WAITING)  # no room at all for a choice
 
 
 def test_more_choices_than_the_engine_holds_are_refused_naming_n():
-    assert fit_choices(3, 10, True, 5, KV, capacity=3) == 10
+    assert fit_choices(3, 10, True, 5, HOLDS_3, max_waiting=1) == 10
     with pytest.raises(InvalidRequest, match="n=4 choices run as 4 sequences") as info:
-        fit_choices(4, 10, True, 5, KV, capacity=3)
+        fit_choices(4, 10, True, 5, HOLDS_3, max_waiting=1)
     assert info.value.param == "n"
 
 

@@ -63,32 +63,6 @@ def _opened(path: Path):
         raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); a truncated or damaged file?") from e
 
 
-def checkpoint_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """The shape config.json implies for a tensor the model loads (transformers refuses others too)."""
-    h, v, i = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    module, kind = name.rsplit(".", 2)[-2:]
-    shapes = {
-        ("embed_tokens", "weight"): (v, h),
-        ("lm_head", "weight"): (v, h),
-        ("norm", "weight"): (h,),
-        ("input_layernorm", "weight"): (h,),
-        ("post_attention_layernorm", "weight"): (h,),
-        ("q_proj", "weight"): (q, h),
-        ("k_proj", "weight"): (kv, h),
-        ("v_proj", "weight"): (kv, h),
-        ("q_proj", "bias"): (q,),
-        ("k_proj", "bias"): (kv,),
-        ("v_proj", "bias"): (kv,),
-        ("o_proj", "weight"): (h, q),
-        ("o_proj", "bias"): (h,),
-        ("gate_proj", "weight"): (i, h),
-        ("up_proj", "weight"): (i, h),
-        ("down_proj", "weight"): (h, i),
-    }
-    return shapes[module, kind]
-
-
 def model_revision(model_dir: Path) -> str:
     """A short content id of the checkpoint: config, and each weight file's name, size and first and
     last MiB (enough to tell two checkpoints of one shape apart without reading gigabytes)."""
@@ -166,7 +140,7 @@ def check_tensors(sf, path: Path, names: list[str], cfg: ModelConfig) -> None:
                 f"{name} in {path.name} is {dtype}: quantized weights are not supported "
                 "(serve the unquantized bf16, fp16 or fp32 checkpoint)"
             )
-        expected = checkpoint_shape(name, cfg)
+        expected = cfg.tensor_shape(*name.rsplit(".", 2)[-2:])
         if shape != expected:
             raise CheckpointError(
                 f"{name} in {path.name} has shape {list(shape)}, config.json implies {list(expected)} "

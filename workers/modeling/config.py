@@ -52,6 +52,31 @@ class ModelConfig:
     def rope_type(self) -> str:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
+    def tensor_shape(self, module: str, kind: str = "weight") -> tuple[int, ...]:
+        """The shape of a checkpoint tensor, by the last parts of its HF name (`q_proj`, `weight`);
+        a linear layer's weight is (out, in)."""
+        h, v, i = self.hidden_size, self.vocab_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {
+            ("embed_tokens", "weight"): (v, h),
+            ("lm_head", "weight"): (v, h),
+            ("norm", "weight"): (h,),
+            ("input_layernorm", "weight"): (h,),
+            ("post_attention_layernorm", "weight"): (h,),
+            ("q_proj", "weight"): (q, h),
+            ("k_proj", "weight"): (kv, h),
+            ("v_proj", "weight"): (kv, h),
+            ("q_proj", "bias"): (q,),
+            ("k_proj", "bias"): (kv,),
+            ("v_proj", "bias"): (kv,),
+            ("o_proj", "weight"): (h, q),
+            ("o_proj", "bias"): (h,),
+            ("gate_proj", "weight"): (i, h),
+            ("up_proj", "weight"): (i, h),
+            ("down_proj", "weight"): (h, i),
+        }  # fmt: skip
+        return shapes[module, kind]
+
     def weight_bytes(self) -> int:
         """Bytes of all weights, the floor of what one decode step must read."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

@@ -158,18 +158,16 @@ def targeted(config: AdapterConfig, num_layers: int) -> set[tuple[int, str]]:
     """The (layer, target) pairs the config's target_modules select and its exclude_modules do not,
     by PEFT's rules: a string is a regex matched against the whole module name; a list names
     modules by their last parts."""
-    names = {(i, t): f"model.layers.{i}.{PARENTS[t]}.{t}" for i in range(num_layers) for t in TARGETS}
-    if config.exclude_modules:
-        names = {key: name for key, name in names.items() if not _named(config.exclude_modules, name)}
-    if config.target_modules == "all-linear":
-        return set(names)
+    every = {(i, t): f"model.layers.{i}.{PARENTS[t]}.{t}" for i in range(num_layers) for t in TARGETS}
     if isinstance(config.target_modules, list):
-        everything = {f"model.layers.{i}.{PARENTS[t]}.{t}" for i in range(num_layers) for t in TARGETS}
-        unknown = sorted(w for w in config.target_modules if not _named([w], *everything))
+        unknown = sorted(w for w in config.target_modules if not _named([w], *every.values()))
         if unknown:
             raise AdapterError(
                 f"target_modules: {unknown} are not linear layers of this model (supported: {', '.join(TARGETS)})"
             )
+    names = {k: n for k, n in every.items() if not (config.exclude_modules and _named(config.exclude_modules, n))}
+    if config.target_modules == "all-linear":
+        return set(names)
     return {key for key, name in names.items() if _named(config.target_modules, name)}
 
 
@@ -199,7 +197,6 @@ def load_adapter(
     if why:
         raise AdapterError(why)
     wanted = targeted(config, cfg.num_layers)
-    sizes = _sizes(cfg)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
@@ -230,7 +227,7 @@ def load_adapter(
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"layer {key[0]} {key[1]}: lora_A and lora_B weights are both needed")
         a, b = pair["A"], pair["B"]
-        in_size, out_size = sizes[key[1]]
+        out_size, in_size = cfg.tensor_shape(key[1])
         if tuple(a.shape) != (config.r, in_size) or tuple(b.shape) != (out_size, config.r):
             raise AdapterError(
                 f"layer {key[0]} {key[1]}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
@@ -242,20 +239,6 @@ def load_adapter(
         if not ok:
             raise AdapterError(f"layer {key[0]} {key[1]}: lora_A or lora_B holds NaN or inf")
     return LoraAdapter(name, config.r, config.scaling, weights)
-
-
-def _sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target, unsharded."""
-    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
 
 
 class LoraBatch:
