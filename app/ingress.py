@@ -335,6 +335,7 @@ class Ingress:
             "chat" if chat else "completion",
             sampling,
             req.requested_max_tokens(),
+            req.max_tokens_field(),
             req.n,
             prompt=None if chat else req.prompt,
             messages=[m.for_template() for m in req.messages] if chat else None,
@@ -358,10 +359,7 @@ class Ingress:
         first = await anext(items)
         if isinstance(first, Failure):
             await items.aclose()
-            message, param = first.error, first.param
-            if param == "max_tokens" and req.max_tokens_field() != param:  # the field as the client wrote it
-                message, param = message.replace("max_tokens=", f"{req.max_tokens_field()}=", 1), req.max_tokens_field()
-            return error_response(first.status, message, param, RETRY_AFTER if first.status == 503 else None)
+            return error_response(first.status, first.error, first.param, RETRY_AFTER if first.status == 503 else None)
         shape = ResponseShape(chat, req.model, req.n, sampling.logprobs is not None)
         seed = {SEED_HEADER: str(first.seed)}
         if req.stream:

@@ -479,7 +479,11 @@ class LLMReplica:
             try:
                 prompt_ids = await tokenized(self.tokenizer, request, self.engine_status.max_model_len)
                 max_tokens = fit_max_tokens(
-                    request.kind, request.max_tokens, len(prompt_ids), self.engine_status.max_model_len
+                    request.kind,
+                    request.max_tokens,
+                    len(prompt_ids),
+                    self.engine_status.max_model_len,
+                    request.max_tokens_field,
                 )
                 max_tokens = fit_choices(
                     n,
@@ -488,6 +492,7 @@ class LLMReplica:
                     len(prompt_ids),
                     self.engine_status.kv_cache,
                     self.config.max_waiting,
+                    request.max_tokens_field,
                 )
                 sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
                 resume = continuation(request)
@@ -675,13 +680,19 @@ def logprob_items(tokenizer, event: StreamEvent) -> list[LogprobItem]:
 
 
 def fit_choices(
-    n: int, max_tokens: int, explicit: bool, prompt_tokens: int, kv_cache: KvCacheStatus, max_waiting: int
+    n: int,
+    max_tokens: int,
+    explicit: bool,
+    prompt_tokens: int,
+    kv_cache: KvCacheStatus,
+    max_waiting: int,
+    field: str = "max_tokens",
 ) -> int:
     """max_tokens for n choices, which run side by side as n sequences. More of them than the
     replica holds at once (max_num_seqs running and max_waiting queued) is a 400 naming n, not a
     503 that no retry could get past. All n at full length must fit the replica's KV pool, or one request would
     only run by preempting itself: a default max_tokens shrinks to fit; an explicit one that does
-    not fit is a 400."""
+    not fit is a 400 naming `field`, as the client set it."""
     capacity = kv_cache.max_num_seqs + max_waiting
     if n > capacity:
         raise InvalidRequest(
@@ -694,17 +705,20 @@ def fit_choices(
         return max_tokens
     if explicit or room < 1:
         raise InvalidRequest(
-            f"n={n} choices of the prompt's {prompt_tokens} tokens plus max_tokens={max_tokens} "
+            f"n={n} choices of the prompt's {prompt_tokens} tokens plus {field}={max_tokens} "
             f"do not fit this replica's KV cache ({kv_cache.tokens} "
             "tokens); ask for fewer choices or tokens",
-            "max_tokens" if explicit else "n",
+            field if explicit else "n",
         )
     return room
 
 
-def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
-    """OpenAI's rule: prompt + max_tokens must fit the context, else 400. Without max_tokens,
-    completions default to 16 tokens and chat to the rest of the context, both within the room left."""
+def fit_max_tokens(
+    kind: str, requested: int | None, prompt_tokens: int, max_model_len: int, field: str = "max_tokens"
+) -> int:
+    """OpenAI's rule: prompt + max_tokens must fit the context, else a 400 naming `field` (as the
+    client set it). Without max_tokens, completions default to 16 tokens and chat to the rest of the
+    context, both within the room left."""
     room = max_model_len - prompt_tokens
     if room < 1:
         raise InvalidRequest(
@@ -715,8 +729,8 @@ def fit_max_tokens(kind: str, requested: int | None, prompt_tokens: int, max_mod
         return min(room, 16) if kind == "completion" else room
     if requested > room:
         raise InvalidRequest(
-            f"max_tokens={requested} plus the prompt's {prompt_tokens} tokens exceeds max_model_len={max_model_len}",
-            "max_tokens",
+            f"{field}={requested} plus the prompt's {prompt_tokens} tokens exceeds max_model_len={max_model_len}",
+            field,
         )
     return requested
 

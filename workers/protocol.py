@@ -53,14 +53,16 @@ class Continuation(msgspec.Struct, frozen=True, array_like=True):
 class GenerateRequest(msgspec.Struct, frozen=True, array_like=True):
     """A validated OpenAI request, as the ingress sends it to a replica. The replica sets
     `sampling.max_tokens` from `max_tokens` (None: the endpoint's default), fitted to the room the
-    prompt leaves. A failed-over attempt carries `resume` and the replicas to `avoid`. Every
-    attempt names the replicas the ingress last saw `not_serving` (an engine restarting): Serve
-    routes to one of them only when no other is left."""
+    prompt leaves; a 400 about it names `max_tokens_field`, the field the client set. A
+    failed-over attempt carries `resume` and the replicas to `avoid`. Every attempt names the
+    replicas the ingress last saw `not_serving` (an engine restarting): Serve routes to one of
+    them only when no other is left."""
 
     tenant: str
     kind: Literal["chat", "completion"]
     sampling: SamplingParams
     max_tokens: int | None = None
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
     n: int = 1
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None

@@ -202,6 +202,9 @@ def test_max_tokens_follows_openai_rules():
         fit_max_tokens("completion", 247, 10, 256)
     with pytest.raises(InvalidRequest, match="no room"):
         fit_max_tokens("chat", None, 256, 256)
+    with pytest.raises(InvalidRequest, match="^max_completion_tokens=247 plus") as info:  # as the client named it
+        fit_max_tokens("chat", 247, 10, 256, "max_completion_tokens")
+    assert info.value.param == "max_completion_tokens"
 
 
 def test_lora_config_reaches_the_engine_and_bad_lora_settings_are_named():

@@ -35,8 +35,12 @@ def test_choice_sampling_seeds():
 def test_choices_must_fit_the_kv_pool_side_by_side():
     assert fit_choices(1, 1000, True, 24, KV, MAX_WAITING) == 1000
     assert fit_choices(4, 200, True, 50, KV, MAX_WAITING) == 200  # 4 x 250 <= 1024
-    with pytest.raises(InvalidRequest, match="n=4"):
+    with pytest.raises(InvalidRequest, match="n=4") as info:
         fit_choices(4, 300, True, 50, KV, MAX_WAITING)
+    assert info.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest, match="max_completion_tokens=300") as info:
+        fit_choices(4, 300, True, 50, KV, MAX_WAITING, "max_completion_tokens")
+    assert info.value.param == "max_completion_tokens"
     assert fit_choices(4, 900, False, 50, KV, MAX_WAITING) == 206  # a default shrinks: 1024 // 4 - 50
     with pytest.raises(InvalidRequest, match="KV cache"):
         fit_choices(16, 10, False, 64, KV, MAX_WAITING)  # no room at all for a choice
