@@ -411,13 +411,14 @@ def test_a_stream_read_in_batches_restores_anywhere(tokenizer, seed):
                 return out
         return [*out, (0, *detok.flush())]
 
-    whole = rest(IncrementalDetokenizer(tokenizer, stops), reads)
+    prompt = enc(tokenizer, random.Random(seed).choice(["Q: €", "中", "a b c d e f g"]))
+    whole = rest(IncrementalDetokenizer(tokenizer, stops, prompt), reads)
     for cut in range(1, len(whole)):
-        original = IncrementalDetokenizer(tokenizer, stops)
+        original = IncrementalDetokenizer(tokenizer, stops, prompt)
         for read in reads[:cut]:
             original.add_tokens(read)
         sent = [t for read in reads[:cut] for t in read]
-        restored = IncrementalDetokenizer.restore(tokenizer, stops, sent, original.state())
+        restored = IncrementalDetokenizer.restore(tokenizer, stops, prompt, sent, original.state())
         assert whole[:cut] + rest(restored, reads[cut:]) == whole, (seed, cut)
 
 
@@ -448,3 +449,48 @@ def test_a_stop_string_completed_only_at_the_streams_end_still_stops_it():
     assert detok.flush() == ("", True)
     without_stop = IncrementalDetokenizer(tokenizer, stop=("?",))
     assert "".join(without_stop.add([t])[0] for t in ids) + without_stop.flush()[0] == "Hi \ufffd"
+
+
+@pytest.fixture(scope="module")
+def other_kinds():
+    from tests import tokenizer_kinds
+
+    return {
+        "sentencepiece": tokenizer_kinds.sentencepiece_style(),
+        "unigram": tokenizer_kinds.unigram_with_cleanup(),
+        "wordpiece": tokenizer_kinds.wordpiece_with_cleanup(),
+    }
+
+
+def test_a_completion_reads_on_from_its_prompt_with_a_sentencepiece_tokenizer(other_kinds):
+    """Llama 2 and Mistral tokenizers mark a word's leading space on its token (`▁capital`) and drop
+    it when a text starts there: the completion of "The" must read " capital ...", as the prompt
+    and completion decode together, not "capital ..." (the prompt's tail starts the decode window)."""
+    tok = other_kinds["sentencepiece"]
+    ids = enc(tok, "The capital of France is Paris. 😀 I don't know")
+    for cut in range(1, len(ids)):
+        prompt, output = ids[:cut], ids[cut:]
+        whole, prefix = tok.decode(ids), tok.decode(prompt)
+        assert whole.startswith(prefix)
+        pieces, _ = stream(IncrementalDetokenizer(tok, prompt_ids=prompt), [[t] for t in output])
+        assert "".join(pieces) == whole[len(prefix) :], cut
+    assert "".join(stream(IncrementalDetokenizer(tok, prompt_ids=ids[:1]), [ids[1:]])[0]).startswith(" capital")
+
+
+@pytest.mark.parametrize("kind", ["unigram", "wordpiece"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_tokenizer_that_cleans_up_spaces_streams_every_character(other_kinds, kind, seed):
+    """A clean-up rewrites text across tokens ("it ?" to "it?"), which a stream cannot take back: the
+    stream is the decode without clean-up, whatever its reads (with it, characters went missing:
+    "said no ." streamed as "said no ")."""
+    tok = other_kinds[kind]
+    ids = enc(tok, "Is it ? He said no . I don't know , can't it ? The capital")
+    rng = random.Random(seed)
+    chunks, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        chunks.append(ids[i : i + n])
+        i += n
+    expected = workers.serving.detokenizer.text_decoder(tok)(ids)
+    assert expected.replace(" ", "") == tok.decode(ids).replace(" ", "")  # the same text, spaces aside
+    assert "".join(stream(IncrementalDetokenizer(tok), chunks)[0]) == expected

@@ -73,16 +73,17 @@ def test_a_restored_detokenizer_goes_on_as_the_original(tiny):
         text = "".join(rng.choice("aab€ ") for _ in range(90))
         stops = tuple({"".join(rng.choice("aab€") for _ in range(rng.randint(2, 6))) for _ in range(rng.randint(0, 3))})
         chunks = random_chunks(rng, enc(tiny.tokenizer, text), most=5)
-        whole = stream_pieces(IncrementalDetokenizer(tiny.tokenizer, stops), chunks)
+        prompt = enc(tiny.tokenizer, "".join(rng.choice("ab€ ") for _ in range(rng.randint(1, 9))))
+        whole = stream_pieces(IncrementalDetokenizer(tiny.tokenizer, stops, prompt), chunks)
         stopped += whole[-1][1]
         for cut in range(1, len(whole)):
-            original = IncrementalDetokenizer(tiny.tokenizer, stops)
+            original = IncrementalDetokenizer(tiny.tokenizer, stops, prompt)
             for chunk in chunks[:cut]:
                 original.add(chunk)
             state = original.state()
             held_back += bool(state.pending)
             sent = [t for chunk in chunks[:cut] for t in chunk]
-            restored = IncrementalDetokenizer.restore(tiny.tokenizer, stops, sent, state)
+            restored = IncrementalDetokenizer.restore(tiny.tokenizer, stops, prompt, sent, state)
             assert restored.state() == state
             assert whole[:cut] + stream_pieces(restored, chunks[cut:]) == whole, (seed, cut)
     assert held_back >= 10 and stopped >= 3, (held_back, stopped)
@@ -102,9 +103,9 @@ def test_a_state_no_stream_could_be_in_is_refused(tiny):
         DetokState("0", 5, "ab"),
     ):
         with pytest.raises(ValueError):
-            IncrementalDetokenizer.restore(tiny.tokenizer, stops, ids, bad)
+            IncrementalDetokenizer.restore(tiny.tokenizer, stops, (), ids, bad)
     with pytest.raises(ValueError):  # without stop strings nothing is ever held back
-        IncrementalDetokenizer.restore(tiny.tokenizer, (), ids, DetokState(0, 5, "ab"))
+        IncrementalDetokenizer.restore(tiny.tokenizer, (), (), ids, DetokState(0, 5, "ab"))
 
 
 # ---------------------------------------------------------------- continuing a stream in an engine
@@ -173,7 +174,7 @@ async def test_a_continuation_with_nothing_left_to_generate_is_refused(tiny, run
     with pytest.raises(InvalidRequest):
         runner.submit([BOS, 1], params, resume=Resume([5, tiny.model.cfg.vocab_size], state))
     with pytest.raises(InvalidRequest):
-        runner.submit([BOS, 1], params, resume=Resume([5], DetokState(0, 2, "")))
+        runner.submit([BOS, 1], params, resume=Resume([5], DetokState(0, 4, "")))  # 2 prompt ids, 1 output id
     events = await asyncio.wait_for(events_of(runner.submit([BOS, 1], params, resume=Resume([5, 6], state))), 30)
     assert events[-1].completion_tokens == 3 and len(events[-1].token_ids) + 2 == 3
 

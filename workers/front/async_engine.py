@@ -171,7 +171,7 @@ class StreamFront(ABC):
         self.limits.check_params(params)
         output_ids = resume.output_ids if resume else []
         self.limits.check_continuation(prompt_ids, output_ids, params.max_tokens)
-        detok = self._detokenizer(params, resume)
+        detok = self._detokenizer(prompt_ids, params, resume)
         if request_id is not None and request_id in self._streams:
             # a second sequence under one id would orphan the first's stream and KV slot
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
@@ -191,13 +191,17 @@ class StreamFront(ABC):
         r = request
         return self.submit(r.prompt_ids, r.params, r.request_id, r.graph_denial, r.coalescing, r.adapter, r.resume)
 
-    def _detokenizer(self, params: SamplingParams, resume: Resume | None) -> IncrementalDetokenizer:
+    def _detokenizer(
+        self, prompt_ids: list[int], params: SamplingParams, resume: Resume | None
+    ) -> IncrementalDetokenizer:
         """A new request's detokenizer, or the one a continuation left off with (refused at once when
         no stream could have been in its state)."""
         if resume is None:
-            return IncrementalDetokenizer(self.tokenizer, params.stop)
+            return IncrementalDetokenizer(self.tokenizer, params.stop, prompt_ids)
         try:
-            return IncrementalDetokenizer.restore(self.tokenizer, params.stop, resume.output_ids, resume.detok)
+            return IncrementalDetokenizer.restore(
+                self.tokenizer, params.stop, prompt_ids, resume.output_ids, resume.detok
+            )
         except ValueError as e:
             raise InvalidRequest(f"cannot continue this stream: {e}") from e
 

@@ -8,8 +8,18 @@ Stop strings are matched by one KMP automaton each, advanced over every newly de
 amortized O(1) per character and stop string, whatever the stop string's length or the text's. The
 text not yet handed out is the held-back tail plus the new characters, never the whole text.
 
-A stream continued on another replica (failover) goes on from `state()`: with the same token ids,
-`restore` gives a detokenizer that hands out exactly what the original would have handed out next.
+The decode window starts in the prompt's last tokens (PROMPT_CONTEXT_TOKENS), as vLLM's does: a
+completion's first token then reads as it does after its prompt. Decoded alone, a SentencePiece
+token such as `▁capital` loses its leading space, so "The" + "capital" would run together.
+
+The text is the tokenizer's decode without clean-up of spaces: a clean-up ("it ?" to "it?", "don '
+t" to "don't") rewrites text across token boundaries, which no stream can take back once it has
+sent it. Byte-level and SentencePiece tokenizers clean up nothing anyway (transformers ignores the
+flag for BPE); WordPiece, Unigram and WordLevel ones decode here as if the flag were off.
+
+A stream continued on another replica (failover) goes on from `state()`: with the same prompt and
+token ids, `restore` gives a detokenizer that hands out exactly what the original would have handed
+out next.
 
 A stream is read a batch of tokens at a time (its coalesced read), and each read is decoded at once:
 two decode calls whatever the read holds, so a busy replica, whose reads hold more tokens, pays less
@@ -19,10 +29,13 @@ character makes the token it ends at matter, and only then goes token by token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import json
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 MAX_SPLIT_TOKENS = 3  # tokens past the last whole character: a UTF-8 character has at most 4 bytes
+PROMPT_CONTEXT_TOKENS = 5  # of the prompt, where the decode window starts
 
 
 class StopMatcher:
@@ -59,50 +72,86 @@ class StopMatcher:
 
 
 class DetokState(NamedTuple):
-    """Where a detokenizer stands apart from its token ids: its decode window (offsets into the ids)
-    and the text it holds back because it could still become a stop string."""
+    """Where a detokenizer stands apart from its token ids: its decode window (offsets into the
+    prompt's context tokens followed by the output's) and the text it holds back because it could
+    still become a stop string."""
 
     prefix: int
     read: int
     pending: str
 
 
+@functools.lru_cache(maxsize=4)  # the tokenizers served lately (a swap brings another)
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """The tokenizer's decode of token ids, special tokens skipped. A fast tokenizer that cleans up no
-    spaces decodes in its Rust backend directly: the text `tokenizer.decode` gives, without the
-    ~6 us of Python it spends around each call (`bench/stop_strings.py`)."""
-    if getattr(tokenizer, "is_fast", False) and not tokenizer.clean_up_tokenization_spaces:
-        decode = tokenizer.backend_tokenizer.decode
-        return lambda ids: decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    """The tokenizer's decode of token ids, special tokens skipped, spaces not cleaned up. A fast
+    tokenizer decodes in its Rust backend directly (a copy whose decoder cleans up nothing, where
+    the original's does): the text `tokenizer.decode` gives, without the ~6 us of Python it spends
+    around each call (`bench/stop_strings.py`)."""
+    if not getattr(tokenizer, "is_fast", False):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    decode = _without_cleanup(tokenizer.backend_tokenizer).decode
+    return lambda ids: decode(ids, skip_special_tokens=True)
+
+
+def _without_cleanup(backend):
+    """`backend`, or a copy of it whose decoder (WordPiece's, CTC's, in a sequence or not) does not
+    clean up spaces."""
+    decoder = backend.decoder
+    if decoder is None:
+        return backend
+    spec = json.loads(decoder.__getstate__())
+
+    def off(node) -> bool:
+        if isinstance(node, list):
+            return any([off(n) for n in node])  # a list: every node is turned off
+        if not isinstance(node, dict):
+            return False
+        found = node.get("cleanup") is True
+        if found:
+            node["cleanup"] = False
+        return any([off(v) for v in node.values()]) or found
+
+    if not off(spec):
+        return backend
+    copy = type(backend).from_str(backend.to_str())
+    plain = copy.decoder
+    plain.__setstate__(json.dumps(spec).encode())
+    copy.decoder = plain
+    return copy
 
 
 class IncrementalDetokenizer:
     """One request's completion text, handed out as its tokens arrive."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self._decode = text_decoder(tokenizer)
         self.stop = stop
-        self.ids: list[int] = []
+        context = list(prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS) :])
+        if context and self._decode(context).endswith("\ufffd"):  # token ids that end inside a character
+            context = []
+        self.ids: list[int] = context  # then the output's
         self.stopped = False  # a stop string was hit: nothing more is ever handed out
         self._matchers = [StopMatcher(s) for s in stop]
         self._longest = max(map(len, stop), default=0)
         self._pending = ""  # decoded text not handed out yet: the tail that could still become a stop string
         self._prefix = 0
-        self._read = 0
+        self._read = len(self.ids)
 
     def state(self) -> DetokState:
-        """What `restore` needs, with the same ids, to go on elsewhere from here."""
+        """What `restore` needs, with the same prompt and output ids, to go on elsewhere from here."""
         return DetokState(self._prefix, self._read, self._pending)
 
     @classmethod
-    def restore(cls, tokenizer, stop: tuple[str, ...], ids: list[int], state: DetokState) -> IncrementalDetokenizer:
-        """The detokenizer `state` was taken from, after `ids`. The stop automata are rebuilt from
+    def restore(
+        cls, tokenizer, stop: tuple[str, ...], prompt_ids: Sequence[int], output_ids: list[int], state: DetokState
+    ) -> IncrementalDetokenizer:
+        """The detokenizer `state` was taken from, after `output_ids` of the prompt. The stop automata are rebuilt from
         the held-back text: it is the longest tail of the text that is a prefix of a stop string, so
         each automaton's state is the longest prefix of its stop string that ends it. ValueError for
         a state no stream could be in."""
-        detok = cls(tokenizer, stop)
+        detok = cls(tokenizer, stop, prompt_ids)
+        ids = detok.ids + list(output_ids)
         prefix, read, pending = state
         if not (isinstance(prefix, int) and isinstance(read, int) and 0 <= prefix <= read <= len(ids)):
             raise ValueError(f"decode offsets ({prefix!r}, {read!r}) outside the {len(ids)} token ids")
@@ -113,7 +162,7 @@ class IncrementalDetokenizer:
                 raise ValueError("held-back text that holds a stop string")
         if max((m.state for m in detok._matchers), default=0) != len(pending):
             raise ValueError("held-back text that is not the tail a stop string could still match")
-        detok.ids = list(ids)
+        detok.ids = ids
         detok._prefix, detok._read, detok._pending = prefix, read, pending
         return detok
 
