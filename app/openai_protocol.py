@@ -336,8 +336,9 @@ class ChatMessage(BaseModel):
         return v
 
     def for_template(self) -> dict[str, str]:
-        """The message as a chat template reads it: text parts joined, `developer` (OpenAI's newer
-        name for system instructions) as `system`."""
+        """The message as a chat template reads it: text parts joined (the replica hands a template
+        that reads parts one part, `template_messages`), `developer` (OpenAI's newer name for system
+        instructions) as `system`."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
         out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         return {**out, "name": self.name} if self.name is not None else out

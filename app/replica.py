@@ -120,6 +120,33 @@ def longest_token_chars(tokenizer) -> int:
     return max(map(len, tokenizer.get_vocab()))
 
 
+TEMPLATE_PROBE = "graphserve template probe"
+
+
+@functools.lru_cache(maxsize=4)  # the tokenizers served lately (a swap brings another)
+def template_reads_parts(tokenizer) -> bool:
+    """Whether the chat template reads a message's content as OpenAI's list of parts (it loops
+    over `message['content']` for parts of type text) rather than as a string: found once by
+    rendering a probe message both ways, as vLLM detects a template's content format. Such a
+    template given a string renders no text at all (it loops over characters)."""
+
+    def renders(content) -> bool:
+        try:
+            messages = [{"role": "user", "content": content}]
+            return TEMPLATE_PROBE in tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe reads the other form, or neither
+            return False
+
+    return not renders(TEMPLATE_PROBE) and renders([{"type": "text", "text": TEMPLATE_PROBE}])
+
+
+def template_messages(tokenizer, messages: list[dict]) -> list[dict]:
+    """The messages in the form the chat template reads their content (`template_reads_parts`)."""
+    if not template_reads_parts(tokenizer):
+        return messages
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+
+
 def prompt_chars(request: GenerateRequest) -> int:
     if request.kind == "chat":
         return sum(len(v) for m in request.messages for v in m.values() if isinstance(v, str))
@@ -158,11 +185,12 @@ def tokenize(tokenizer, request: GenerateRequest, unlocked: bool = False) -> lis
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     try:
+        messages = template_messages(tokenizer, request.messages) if chat else None
         if chat and backend is not None:  # rendered, then encoded as apply_chat_template does: no special tokens added
-            text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return encode(text, False)
         if chat:
-            ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         prompt = request.prompt
         if not isinstance(prompt, str):

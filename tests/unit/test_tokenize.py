@@ -178,3 +178,30 @@ def test_the_event_loop_runs_while_a_long_prompt_tokenizes(strict_tokenizer):
     ticks, seconds = scenario_result = asyncio.run(scenario())
     assert seconds > 0.1, scenario_result  # long enough for the loop's ticks to mean something
     assert ticks >= seconds / 0.005 / 4, scenario_result
+
+
+PARTS_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [PARTS_TEMPLATE, CHAT_TEMPLATE], ids=["parts", "string"])
+def test_a_template_gets_the_content_in_the_form_it_reads(tmp_path, template):
+    """A template that loops over OpenAI's content parts gets them (given the joined string it looped
+    over characters and the user's text vanished); a template that reads a string gets the string.
+    Either way the ids are transformers' for the conversation as the client sent it."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    as_parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]},
+    ]
+    joined = [{"role": m["role"], "content": m["content"][0]["text"]} for m in as_parts]
+    ids = tokenize(tokenizer, GenerateRequest("tenant", "chat", SamplingParams(), messages=joined))
+    client_form = as_parts if template is PARTS_TEMPLATE else joined
+    expected = tokenizer.apply_chat_template(client_form, add_generation_prompt=True, tokenize=False)
+    assert "What is 2+2?" in expected and tokenizer.decode(ids) == expected
