@@ -416,16 +416,17 @@ class Choice:
         self.logprobs.extend(chunk.logprobs or ())
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode())
+def _text(token: bytes) -> str:
+    """A token's text: its bytes as UTF-8, a piece of a split character as U+FFFD."""
+    return token.decode("utf-8", "replace")
 
 
-def _by_token(top: list) -> dict[str, float]:
-    """Legacy top_logprobs, token -> logprob: of tokens that read the same (bytes of different
-    characters each read as U+FFFD alone), the more likely one's."""
+def _by_token(top: list[tuple[bytes, float]]) -> dict[str, float]:
+    """Legacy top_logprobs, token -> logprob: of tokens that read the same (pieces of different
+    characters each read as U+FFFD), the more likely one's."""
     out: dict[str, float] = {}
     for token, logprob in top:
-        out.setdefault(token, logprob)
+        out.setdefault(_text(token), logprob)
     return out
 
 
@@ -492,20 +493,20 @@ class ResponseShape:
         if self.chat:
             content = [
                 {
-                    "token": t.token,
+                    "token": _text(t.token),
                     "logprob": t.logprob,
-                    "bytes": _token_bytes(t.token),
-                    "top_logprobs": [{"token": a, "logprob": lp, "bytes": _token_bytes(a)} for a, lp in t.top],
+                    "bytes": list(t.token),
+                    "top_logprobs": [{"token": _text(a), "logprob": lp, "bytes": list(a)} for a, lp in t.top],
                 }
                 for t in tokens
             ]
             return {"content": content, "refusal": None}
-        offsets = []
-        for t in tokens:
+        offsets, texts = [], [_text(t.token) for t in tokens]
+        for text in texts:
             offsets.append(self._text_offset[index])
-            self._text_offset[index] += len(t.token)
+            self._text_offset[index] += len(text)
         return {
-            "tokens": [t.token for t in tokens],
+            "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [_by_token(t.top) for t in tokens],
             "text_offset": offsets,

@@ -37,6 +37,7 @@ from policies.rollout import CohortRule, graph_denial
 from workers.front.async_engine import EngineDeadError, RequestFailed
 from workers.front.engine_process import EngineChild
 from workers.modeling.checkpoint_dir import CheckpointError, check_model_path
+from workers.modeling.token_bytes import token_bytes
 from workers.protocol import (
     ChoiceChunk,
     Coalescing,
@@ -699,12 +700,12 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 
 
 def logprob_items(tokenizer, event: StreamEvent) -> list[LogprobItem]:
-    """The event's tokens' logprobs with their alternatives', each token's text as the tokenizer
-    decodes that token alone (special tokens included), in one call to the tokenizer."""
-    logprobs = event.logprobs or []
-    ids = [t for token, lp in zip(event.token_ids, logprobs) for t in (token, *(a for a, _ in lp.top))]
-    texts = iter(tokenizer.batch_decode([[t] for t in ids]))
-    return [LogprobItem(next(texts), lp.logprob, [(next(texts), value) for _, value in lp.top]) for lp in logprobs]
+    """The event's tokens' logprobs with their alternatives', each token as its bytes."""
+    of = token_bytes(tokenizer)
+    return [
+        LogprobItem(of(token), lp.logprob, [(of(a), v) for a, v in lp.top])
+        for token, lp in zip(event.token_ids, event.logprobs or ())
+    ]
 
 
 def fit_choices(

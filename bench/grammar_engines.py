@@ -136,7 +136,7 @@ class OutlinesCore:
 
 def byte_vocabulary(tokenizer) -> dict[bytes, list[int]]:
     """Each non-special token's bytes -> its ids (outlines-core reads bytes, not byte-level characters)."""
-    from workers.modeling.synthetic import byte_level_chars
+    from workers.modeling.token_bytes import byte_level_chars
 
     byte_of = {ch: b for b, ch in enumerate(byte_level_chars())}
     special = set(tokenizer.all_special_ids)

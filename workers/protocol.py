@@ -73,11 +73,13 @@ class GenerateRequest(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LogprobItem(msgspec.Struct, frozen=True, array_like=True):
-    """One token's logprob with its alternatives', each token as its text."""
+    """One token's logprob with its alternatives', each token as the bytes it stands for (a piece
+    of a character split across tokens included: `workers/modeling/token_bytes.py`); its text is
+    those bytes read as UTF-8."""
 
-    token: str
+    token: bytes
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[bytes, float]]
 
 
 class ChoiceChunk(msgspec.Struct, frozen=True, array_like=True, tag=True):

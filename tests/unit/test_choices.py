@@ -116,16 +116,15 @@ async def test_a_failing_choice_fails_the_merge_and_ends_the_others():
     assert other.closed_early
 
 
-def test_logprob_items_decode_each_token_alone(tiny):
-    """Token strings as the tokenizer decodes each token by itself (a byte of a multi-byte
-    character is the replacement character), alternatives in their order."""
+def test_logprob_items_carry_each_tokens_own_bytes(tiny):
+    """Each token as the bytes it stands for (a piece of a multi-byte character is that piece, not
+    U+FFFD), alternatives in their order."""
     tok = tiny.tokenizer
     ids = tok("é!")["input_ids"][1:]  # the byte-level tiny tokenizer: é is two tokens
     assert len(ids) == 3
     logprobs = [TokenLogprob(-0.1 * (k + 1), [(ids[k], -0.1 * (k + 1)), (ord("a"), -3.0)]) for k in range(3)]
     items = logprob_items(tok, StreamEvent("r", ids, "é!", 2, 3, None, logprobs))
-    assert [i.token for i in items] == [tok.decode([t]) for t in ids]
-    assert items[2].token == "!" and items[2].logprob == pytest.approx(-0.3)
-    assert items[2].top == [("!", pytest.approx(-0.3)), ("a", -3.0)]
-    assert items[0].token == "\ufffd"
+    assert b"".join(i.token for i in items) == "é!".encode()
+    assert items[2].token == b"!" and items[2].logprob == pytest.approx(-0.3)
+    assert items[2].top == [(b"!", pytest.approx(-0.3)), (b"a", -3.0)]
     assert logprob_items(tok, StreamEvent("r", [], "", 2, 3, "stop", None)) == []

@@ -494,3 +494,17 @@ def test_a_tokenizer_that_cleans_up_spaces_streams_every_character(other_kinds, 
     expected = workers.serving.detokenizer.text_decoder(tok)(ids)
     assert expected.replace(" ", "") == tok.decode(ids).replace(" ", "")  # the same text, spaces aside
     assert "".join(stream(IncrementalDetokenizer(tok), chunks)[0]) == expected
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_each_tokens_bytes_join_into_the_text(other_kinds, tokenizer, kind):
+    """A token's bytes (logprobs' `bytes`) are what it stands for: joined they are the text's UTF-8,
+    spaces of SentencePiece's `▁` and `<0xNN>` byte tokens included (decoded alone, `▁world`
+    lost its space and a piece of a character read as U+FFFD's bytes)."""
+    from workers.modeling.token_bytes import token_bytes
+
+    tok = other_kinds["sentencepiece"] if kind == "sentencepiece" else tokenizer
+    text = "The capital of France is Paris. 5€ 👍🏽 中文 don't"
+    ids = enc(tok, text)
+    joined = b"".join(token_bytes(tok)(t) for t in ids)
+    assert joined.decode() == (" " + text if kind == "sentencepiece" else text)  # its first word's `▁`

@@ -256,7 +256,9 @@ def test_the_wire_round_trips_every_message():
         request(n=1, seed=5), resume=Continuation([1, 2], 5, DetokState(0, 2, "a")), avoid=("r1",)
     )
     assert decode_request(encode(resumed)) == resumed
-    with_logprobs = msgspec.structs.replace(chunk([7]), logprobs=[LogprobItem("x", -0.5, [("x", -0.5), ("y", -1.0)])])
+    with_logprobs = msgspec.structs.replace(
+        chunk([7]), logprobs=[LogprobItem(b"x", -0.5, [(b"x", -0.5), (b"y", -1.0)])]
+    )
     for item in (chunk([1, 2], finish="stop"), with_logprobs, ENGINE_DEAD, GONE):
         assert decode_item(encode(item)) == item
     with pytest.raises(msgspec.ValidationError):

@@ -381,9 +381,10 @@ def chunk(
 
 
 TOKENS = [
-    LogprobItem("Hi", -0.5, [("Hi", -0.5), ("Ho", -1.25)]),
-    LogprobItem("é", -2.0, [("a", -0.1), ("é", -2.0), ("a", -2.5)]),
+    LogprobItem(b"Hi", -0.5, [(b"Hi", -0.5), (b"Ho", -1.25)]),
+    LogprobItem("é".encode(), -2.0, [(b"a", -0.1), ("é".encode(), -2.0), (b"a", -2.5)]),
 ]
+SPLIT = [LogprobItem(b"\xf0\x9f", -0.1, [(b"\xf0\x9f", -0.1), (b"\xf0\x9e", -3.0)]), LogprobItem(b"\x91\x8d", -0.2, [])]
 
 
 def test_whole_chat_response_with_choices_and_logprobs():
@@ -411,6 +412,18 @@ def test_whole_chat_response_with_choices_and_logprobs():
     assert len(body["choices"][1]["logprobs"]["content"]) == 1
     plain = ResponseShape(True, "m").whole([first], prompt_tokens=7)
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_a_character_split_across_tokens_is_joined_from_their_bytes():
+    """Each piece of a split character reads as U+FFFD, and its bytes are the piece's own (not
+    U+FFFD's), so a client joins them into the character, as OpenAI's `bytes` field is for."""
+    content = ResponseShape(True, "m", logprobs=True).chunk("👍", None, logprobs=SPLIT)["choices"][0]["logprobs"]
+    tokens = content["content"]
+    assert all(set(t["token"]) == {"\ufffd"} for t in tokens)
+    assert bytes(tokens[0]["bytes"] + tokens[1]["bytes"]).decode() == "👍"
+    assert tokens[0]["top_logprobs"][1]["bytes"] == [0xF0, 0x9E]
+    legacy = ResponseShape(False, "m", logprobs=True).chunk("👍", None, logprobs=SPLIT)["choices"][0]["logprobs"]
+    assert legacy["top_logprobs"][0] == {"\ufffd": -0.1}  # two pieces that read alike: the more likely one
 
 
 def test_completion_logprobs_are_the_legacy_shape_with_offsets_across_chunks():

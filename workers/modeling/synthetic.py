@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from workers.modeling.config import ModelConfig, parse_config
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
+from workers.modeling.token_bytes import byte_level_chars
 
 TINY_SEED = 1234
 SPECIAL_TOKENS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -62,19 +63,6 @@ BENCH_CONFIGS: dict[str, dict] = {
         dtype="bfloat16",
     ),
 }
-
-
-def byte_level_chars() -> list[str]:
-    """The printable character ByteLevel uses for each byte value 0..255, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
 
 
 def build_byte_tokenizer():
