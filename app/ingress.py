@@ -125,6 +125,16 @@ def _swap_response(result: dict) -> JSONResponse:
     return JSONResponse(finite(result["swap"]), status_code=202)
 
 
+async def validated(schema: type[CompletionRequest] | type[ChatRequest], body: dict) -> CompletionRequest | ChatRequest:
+    """The request, validated. A body with a JSON schema is validated in a thread: checking that its
+    grammar compiles (once per schema) can take seconds for a large one, which on the event loop
+    held every stream of this ingress (13.9 s at 15,000 properties)."""
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        return await asyncio.to_thread(schema.model_validate, body)
+    return schema.model_validate(body)
+
+
 async def _json_body(request: Request) -> dict | JSONResponse:
     """The body as a JSON object, parsed strictly (unlike json.loads): a lone UTF-16 surrogate escape,
     NaN, Infinity, a number out of range and nesting past the parser's limit are all invalid JSON."""
@@ -308,7 +318,7 @@ class Ingress:
         if isinstance(body, JSONResponse):
             return body
         try:
-            req = schema.model_validate(body)
+            req = await validated(schema, body)
         except ValidationError as e:
             return error_response(400, *_validation_message(e, body))
         adapter = None

@@ -555,6 +555,13 @@ class LLMReplica:
                         self.metrics.ttft.observe(now - start)
                     logprobs = logprob_items(self.tokenizer, event) if params[index].logprobs is not None else None
                     drained = event.finish_reason == "abort" and self.draining  # ended by a swap's drain timeout
+                    if drained:  # no finish reason: the client's stream ends with an error instead
+                        outcome = "unavailable"
+                    elif event.finish_reason is not None:  # counted before the yield: the ingress leaves at the last
+                        ended += 1
+                        outcome = "ok" if ended == n else outcome
+                        if first_at is not None and event.completion_tokens > 1:
+                            self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
                     yield ChoiceChunk(
                         index,
                         event.text,
@@ -568,13 +575,7 @@ class LLMReplica:
                         self.replica_id,
                         logprobs,
                     )
-                    if event.finish_reason is not None:
-                        ended += 1
-                        outcome = "ok" if ended == n else outcome
-                        if first_at is not None and event.completion_tokens > 1:
-                            self.metrics.tpot.observe((now - first_at) / (event.completion_tokens - 1))
-                    if drained:  # no finish reason: the client's stream ends with this error instead
-                        outcome = "unavailable"
+                    if drained:
                         yield Failure(
                             "the model is being swapped and this request ran past the drain timeout; retry it", 503
                         )

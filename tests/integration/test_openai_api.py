@@ -658,27 +658,32 @@ def _metrics(server) -> tuple[str, dict]:
     return r.text, families
 
 
-def _requests_ok(families, tenant: str) -> float:
+def _requests_ok(families, tenant: str, outcome: str = "ok") -> float:
     family = families.get("graphserve_requests")
     if family is None:
         return 0.0
-    return sum(s.value for s in family.samples if s.labels.get("tenant") == tenant and s.labels["outcome"] == "ok")
+    return sum(s.value for s in family.samples if s.labels.get("tenant") == tenant and s.labels["outcome"] == outcome)
 
 
-def test_metrics_exposition(server):
+def test_metrics_exposition(server, client):
     """/metrics is valid Prometheus text with the decode-step, request, TTFT and TPOT series,
     labelled as documented; a tenant-a request is counted under tenant="tenant-a"."""
     # replicas report every second: wait until earlier tests' requests are all in the count
     ok_before = settled(lambda: _requests_ok(_metrics(server)[1], "tenant-a"))
+    cancelled_before = _requests_ok(_metrics(server)[1], "tenant-a", "cancelled")
+    for _ in range(3):  # a stream the client reads to its end is ok, not cancelled (it leaves at the last chunk)
+        stream = client.completions.create(model=server.model, prompt="hi", max_tokens=3, stream=True)
+        assert [c.choices[0].finish_reason for c in stream][-1] in ("length", "stop")
     r = server.complete(tenant="tenant-a", max_tokens=6)
     assert r.status_code == 200
 
     def counted():
         text, families = _metrics(server)
-        return (text, families) if _requests_ok(families, "tenant-a") >= ok_before + 1 else None
+        return (text, families) if _requests_ok(families, "tenant-a") >= ok_before + 4 else None
 
-    text, families = wait_for(counted, 15, what="graphserve_requests_total{tenant='tenant-a'} to count the request")
-    assert _requests_ok(families, "tenant-a") == ok_before + 1
+    text, families = wait_for(counted, 15, what="graphserve_requests_total{tenant='tenant-a'} to count the requests")
+    assert _requests_ok(families, "tenant-a") == ok_before + 4
+    assert _requests_ok(families, "tenant-a", "cancelled") == cancelled_before
 
     steps = families["graphserve_decode_steps"]
     assert steps.type == "counter"

@@ -95,10 +95,14 @@ def test_a_schema_that_cannot_be_compiled_says_why_without_a_tokenizer(schema, s
         {"type": "object", "properties": {"default": {"type": "integer", "minimum": -(10**20)}}},
         {"$defs": {"title": {"enum": [1, 2**60]}}, "$ref": "#/$defs/title"},
         {"const": 2**53 + 1},
+        {"const": {"title": 2**60 + 1}},  # const and enum values are data: an annotation's name is a key there
+        {"enum": [{"examples": 2**63 + 5}]},
+        {"type": "integer", "minimum": 1e30, "maximum": 1e31},  # a float bound: llguidance gave 2**63 - 1
+        {"type": ["integer", "null"], "exclusiveMaximum": -1e20},
     ],
 )
-def test_an_integer_a_float_cannot_hold_is_refused_not_rounded(schema):
-    with pytest.raises(InvalidSchema, match=r"beyond \+-2\*\*53") as info:
+def test_a_number_the_grammar_engine_cannot_hold_is_refused_not_rounded(schema):
+    with pytest.raises(InvalidSchema, match=r"beyond what the grammar engine holds exactly") as info:
         grammar_of(canonical_schema(schema))
     assert info.value.param == "response_format"
 
@@ -106,6 +110,34 @@ def test_an_integer_a_float_cannot_hold_is_refused_not_rounded(schema):
 def test_big_integers_in_annotations_and_exact_ones_compile():
     grammar_of(canonical_schema({"type": "integer", "default": 10**30, "examples": [10**40]}))
     grammar_of(canonical_schema({"type": "integer", "minimum": -(2**53), "maximum": 2**53}))
+    grammar_of(canonical_schema({"type": "number", "minimum": 1.5e10}))
+    grammar_of(canonical_schema({"type": "integer", "maximum": 1e18}))
+
+
+def optional_properties(n: int, required: int = 0) -> dict:
+    props = {f"p{i}": {"type": "integer"} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)[:required]}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        optional_properties(501),
+        {"type": "array", "items": optional_properties(900, required=300)},
+        {"type": "object", "properties": {"a": optional_properties(600)}},
+    ],
+)
+def test_an_object_with_more_optional_properties_than_the_parser_takes_is_refused(compiler, schema):
+    """llguidance's parser fails on such an object's first token, after admission (a stream got 200
+    and then an error event): the ingress's check refuses it, naming the count."""
+    with pytest.raises(InvalidSchema, match=r"optional properties, more than the grammar engine parses") as info:
+        grammar_of(canonical_schema(schema))
+    assert info.value.param == "response_format"
+
+
+def test_an_object_with_500_optional_properties_or_many_required_ones_compiles(compiler):
+    for schema in (optional_properties(500), optional_properties(3000, required=2600)):
+        compiler.compile(canonical_schema(schema)).result(timeout=60)
 
 
 def test_a_schema_no_document_satisfies_fails_its_compile_not_its_sequence(compiler):

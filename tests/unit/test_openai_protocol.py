@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from app.ingress import _json_body, _validation_message, api
+from app.ingress import _json_body, _validation_message, api, validated
 from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape
 from workers.protocol import ChoiceChunk, LogprobItem
 from workers.serving.detokenizer import DetokState
@@ -578,3 +579,31 @@ def test_stream_options_include_obfuscation_is_accepted_and_changes_nothing():
             {**CHAT, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": value}}
         )
         assert req.stream_options.include_usage and req.sampling() == ChatRequest.model_validate(CHAT).sampling()
+
+
+def test_a_json_schema_is_checked_off_the_event_loop(monkeypatch):
+    """Compiling a large schema's grammar takes seconds: the check runs in a thread while the event
+    loop (every other stream of the ingress) goes on. The check here waits for the loop to run a
+    coroutine; on the loop itself it would wait in vain and fail the request."""
+    import app.openai_protocol
+
+    loop_ran = threading.Event()
+
+    def slow_grammar(schema: str) -> str:
+        assert loop_ran.wait(10), "the event loop was held while the schema compiled"
+        return "grammar"
+
+    monkeypatch.setattr(app.openai_protocol, "grammar_of", slow_grammar)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "T", "schema": {"type": "object"}}},
+    }
+
+    async def main() -> ChatRequest:
+        check = asyncio.create_task(validated(ChatRequest, body))
+        await asyncio.sleep(0)  # the check starts
+        loop_ran.set()  # only if the check left the loop free
+        return await asyncio.wait_for(check, 20)
+
+    assert asyncio.run(main()).json_schema() == '{"type":"object"}'

@@ -39,6 +39,8 @@ import torch
 from workers.serving.json_schema import CACHE_SIZE, InvalidSchema, grammar_of
 from workers.serving.sampling import InvalidRequest
 
+COMPILE_THREADS = 4  # llguidance compiles without the interpreter lock
+
 
 def reason(matcher: llguidance.LLMatcher) -> str:
     """Why a matcher failed: the first line of its error (the rest is its parser's state)."""
@@ -95,7 +97,8 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-grammar")
+        # several: one schema that takes seconds to compile does not hold up the others' requests
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="graphserve-grammar")
         self._lock = threading.Lock()  # the tokenizer is built once, whichever thread asks first
 
     @property
