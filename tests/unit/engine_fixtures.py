@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from workers.modeling.default_model import default_model_dir
 from workers.modeling.model import LlamaModel
@@ -45,11 +46,11 @@ def load_tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("GRAPHSERVE_CACHE", str(cache))
             engine, tokenizer = LLMEngine.from_config(
-                EngineConfig(max_model_len=TINY_MAX_MODEL_LEN, max_num_seqs=1, device="cpu")
+                EngineConfig(max_model_len=TINY_MAX_MODEL_LEN, max_num_seqs=1, device="cpu", dtype="float32")
             )
             model_dir = default_model_dir()
         assert model_dir.parent == cache
-        assert engine.model.cfg.dtype.is_floating_point and engine.device.type == "cpu"
+        assert engine.model.cfg.dtype == torch.float32 and engine.device.type == "cpu"  # exact comparisons hold
         _tiny = Tiny(cache, model_dir, engine.model, tokenizer, tuple(sorted(engine.eos_token_ids)))
     return _tiny
 

@@ -614,6 +614,9 @@ def test_a_pool_that_cannot_hold_max_model_len_is_refused_naming_the_keys(tiny):
         new_engine(tiny, kv_page_size=8, kv_cache_tokens=tiny.max_model_len - 8)
     with pytest.raises(ValueError, match="kv_cache_tokens=1 cannot hold one sequence of max_model_len"):
         new_engine(tiny, kv_page_size=64, kv_cache_tokens=1)  # one page would hold 64 tokens: still refused
+    for page_size in (0, -4):  # was a ZeroDivisionError, or torch's "negative dimension"
+        with pytest.raises(ValueError, match=f"kv_page_size={page_size}: a KV page holds at least one"):
+            new_engine(tiny, kv_page_size=page_size)
 
 
 def test_rollout_cohorts_are_counted_apart(tiny):

@@ -68,6 +68,8 @@ def plan_num_pages(
 ) -> int:
     """Pages of this rank's pool, the scratch page included; `reserved_bytes` is what other
     allocations (the graphs' budget, the sampler's token history) are left."""
+    if page_size < 1:
+        raise ValueError(f"kv_page_size={page_size}: a KV page holds at least one token position")
     useful = 1 + max_num_seqs * pages_needed(model.max_model_len, page_size)
     if kv_cache_tokens is not None:
         if kv_cache_tokens < model.max_model_len:
