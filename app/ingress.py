@@ -16,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 from pydantic_core import from_json
 from ray import serve
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app import auth
@@ -35,6 +36,14 @@ from workers.serving.sampling import InvalidRequest
 log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None, redirect_slashes=False)  # a 404, not a 307
 RETRY_AFTER = {"Retry-After": "5"}
+# A request crosses to its replica in one message; under throughput-optimized mode that is a gRPC
+# message, which Serve bounds (4 MiB unless RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH raises it).
+try:
+    from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH as _MESSAGE_LIMIT
+except ImportError:  # a Ray that names it otherwise: its default
+    _MESSAGE_LIMIT = 4 * 2**20
+MAX_BODY_BYTES = _MESSAGE_LIMIT - 2**16  # room for what the request adds
+BODY_TIMEOUT_S = 30.0
 SEED_HEADER = "x-graphserve-seed"  # the seed a completion was sampled with: sent back as `seed`, it samples it again
 SWAP_RETRY_S = 0.05
 MAX_RECOMMENDED_BUCKETS = 64
@@ -65,16 +74,22 @@ api.openapi = _openapi
 
 @api.exception_handler(HTTPException)
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    if request.url.path.startswith("/v1"):
-        return error_response(exc.status_code, str(exc.detail))
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    """Starlette's errors (404, 405 with its Allow header) in the API's own format."""
+    if _is_api(request.url.path):
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def _is_api(path: str) -> bool:
+    """An OpenAI route's path (`//v1/...` too, as clients that join a base URL ending in / send)."""
+    return path.lstrip("/").split("/", 1)[0] == "v1"
 
 
 @api.exception_handler(ControllerUnavailable)
 async def _controller_unavailable(request: Request, exc: ControllerUnavailable) -> JSONResponse:
     """The controller is restarting or unreachable: a 503 to retry, in the API's own format."""
     log.warning("%s %s: %s", request.method, request.url.path, exc)
-    if request.url.path.startswith("/v1"):
+    if _is_api(request.url.path):
         return error_response(503, "the graph controller is unavailable; retry shortly", headers=RETRY_AFTER)
     return JSONResponse(
         {"detail": "the graph controller is unavailable; retry shortly"}, status_code=503, headers=RETRY_AFTER
@@ -138,7 +153,9 @@ async def validated(schema: type[CompletionRequest] | type[ChatRequest], body: d
 async def _json_body(request: Request) -> dict | JSONResponse:
     """The body as a JSON object, parsed strictly (unlike json.loads): a lone UTF-16 surrogate escape,
     NaN, Infinity, a number out of range and nesting past the parser's limit are all invalid JSON."""
-    raw = await request.body()
+    raw = await _read_body(request)
+    if isinstance(raw, JSONResponse):
+        return raw
     try:
         body = from_json(raw, allow_inf_nan=False)
     except ValueError as e:
@@ -151,6 +168,34 @@ async def _json_body(request: Request) -> dict | JSONResponse:
     if not isinstance(body, dict):
         return error_response(400, "request body must be a JSON object")
     return body
+
+
+async def _read_body(request: Request) -> bytes | JSONResponse:
+    """The body's bytes, or the 4xx that says why not: more than MAX_BODY_BYTES (413: a request
+    crosses to its replica in one message, and past the transport's limit it failed there as a
+    503 to retry), not all there within BODY_TIMEOUT_S (408: a connection that stops sending held
+    one of the ingress's ongoing requests, and enough of them held /readyz too), or a client gone
+    before it was all there (a 400 no one reads, not a 500 with a traceback in the log)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return error_response(
+            413, f"the request body has {declared} bytes, more than this server takes ({MAX_BODY_BYTES})"
+        )
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    return error_response(
+                        413, f"the request body is more than this server takes ({MAX_BODY_BYTES} bytes)"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
+    except ClientDisconnect:
+        return error_response(400, "the client went away before its request body arrived")
+    return b"".join(chunks)
 
 
 async def _admin_body(request: Request, schema: type[BaseModel], shape: str) -> BaseModel | JSONResponse:

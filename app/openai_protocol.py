@@ -51,6 +51,8 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
         403: "permission_error",
         404: "not_found_error",
         405: "invalid_request_error",
+        408: "invalid_request_error",
+        413: "invalid_request_error",
         503: "service_unavailable",
     }.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}

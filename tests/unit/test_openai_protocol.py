@@ -10,26 +10,37 @@ import threading
 
 import pytest
 from pydantic import ValidationError
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+import app.ingress
 from app.ingress import _json_body, _validation_message, api, validated
 from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape
 from workers.protocol import ChoiceChunk, LogprobItem
 from workers.serving.detokenizer import DetokState
 
 
-class FakeRequest:
-    """What `_json_body` reads of a request: its raw body."""
+def request_of(chunks: list[bytes], headers: dict[str, str] | None = None, end: str = "body") -> Request:
+    """A real Starlette request whose body arrives in `chunks`, then ends (`end`: "body"), or the
+    client goes away ("disconnect"), or nothing more comes ("stall")."""
+    messages = [
+        {"type": "http.request", "body": c, "more_body": end != "body" or i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
 
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        if end == "disconnect":
+            return {"type": "http.disconnect"}
+        await asyncio.Event().wait()  # a client that stopped sending
 
-    async def body(self) -> bytes:
-        return self.raw
+    raw_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": raw_headers}, receive)
 
 
 def parse(raw: bytes) -> dict | JSONResponse:
-    return asyncio.run(_json_body(FakeRequest(raw)))
+    return asyncio.run(_json_body(request_of([raw])))
 
 
 def error_message(raw: bytes) -> str:
@@ -607,3 +618,50 @@ def test_a_json_schema_is_checked_off_the_event_loop(monkeypatch):
         return await asyncio.wait_for(check, 20)
 
     assert asyncio.run(main()).json_schema() == '{"type":"object"}'
+
+
+def refusal(response: JSONResponse) -> tuple[int, str]:
+    assert isinstance(response, JSONResponse)
+    error = json.loads(response.body)["error"]
+    assert error["type"] == "invalid_request_error"
+    return response.status_code, error["message"]
+
+
+def test_a_body_past_the_transport_limit_is_a_413_not_a_503_to_retry(monkeypatch):
+    """A request crosses to its replica in one message: past Serve's limit (4 MiB under gRPC) it
+    failed there and the client got a 503 to retry, three uploads over. Refused by its declared
+    length before reading it, or once the chunks read pass the limit."""
+    monkeypatch.setattr(app.ingress, "MAX_BODY_BYTES", 100)
+    declared = request_of([b"{}"], {"content-length": "101"})
+    assert refusal(asyncio.run(_json_body(declared))) == (
+        413,
+        "the request body has 101 bytes, more than this server takes (100)",
+    )
+    chunked = request_of([b'{"prompt": "', b"x" * 60, b"x" * 60, b'"}'])
+    assert refusal(asyncio.run(_json_body(chunked)))[0] == 413
+    assert asyncio.run(_json_body(request_of([b'{"a": "', b"x" * 80, b'"}']))) == {"a": "x" * 80}
+    assert app.ingress.MAX_BODY_BYTES < 4 * 2**20  # the gRPC default, less room for what the request adds
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_a_client_gone_a_400(monkeypatch):
+    """A connection that sends headers and stops held one of the ingress's ongoing requests for
+    ever (1,152 of them stalled /readyz too); a client gone mid-body was a 500 with a traceback."""
+    monkeypatch.setattr(app.ingress, "BODY_TIMEOUT_S", 0.2)
+    stalled = request_of([b'{"prompt"'], end="stall")
+    assert refusal(asyncio.run(_json_body(stalled))) == (408, "the request body did not arrive within 0.2 s")
+    gone = request_of([b'{"prompt"'], end="disconnect")
+    assert refusal(asyncio.run(_json_body(gone)))[0] == 400
+
+
+def test_starlettes_errors_are_openais_with_their_headers():
+    """A GET on a POST route is a 405 in OpenAI's shape with its Allow header (RFC 9110), and a
+    path with a doubled slash is still an API path (a 404 in OpenAI's shape)."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(api) as http:
+        r = http.get("/v1/chat/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        r = http.post("http://testserver//v1/chat/nowhere")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert http.get("/nowhere").json() == {"detail": "Not Found"}
