@@ -290,6 +290,12 @@ class AppConfig(BaseModel):
         "items per second, so each item carries more tokens instead of the replica and the ingress paying per token "
         "(256 streams: an item per stream every 128 ms)",
     )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="origins whose web pages may call the API from a browser (CORS), e.g. `https://app.example.com`, "
+        "or `*` for any; empty: no CORS headers, so browsers refuse cross-origin calls (vLLM allows `*` by default; "
+        "here a page on any site could otherwise use a server on the user's own machine)",
+    )
     api_keys_env: str = Field(
         "GRAPHSERVE_API_KEYS",
         description="the environment variable holding the API keys, `tenant-a:key-a,tenant-b:key-b`",

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 from pydantic.json_schema import models_json_schema
@@ -280,6 +281,14 @@ class Ingress:
         self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
         self._registered_at = -math.inf
         self._sequences = 0  # sequences of the requests this ingress has under way (n each)
+        if self.config.cors_allowed_origins:  # before Serve starts the app, which builds its middleware then
+            api.add_middleware(
+                CORSMiddleware,
+                allow_origins=self.config.cors_allowed_origins,
+                allow_methods=["GET", "POST", "PUT"],
+                allow_headers=["*"],
+                expose_headers=[SEED_HEADER, "Retry-After"],
+            )
 
     async def _adapters(self) -> dict[str, str]:
         """Every adapter served, name -> path: the config's lora_modules and those registered

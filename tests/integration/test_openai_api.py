@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.helpers import (
     API_KEYS,
     assert_openai_error,
+    httpx,
     json_events,
     openai_client,
     running_app,
@@ -31,11 +32,13 @@ pytestmark = pytest.mark.timeout(120)
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 PROMPT = "Hello"
 MAX_MODEL_LEN = 256
+BROWSER_ORIGIN = "https://app.example.com"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp("api"), name="api", admin_token=ADMIN_TOKEN) as s:
+    args = {"cors_allowed_origins": [BROWSER_ORIGIN]}
+    with running_app(tmp_path_factory.mktemp("api"), name="api", admin_token=ADMIN_TOKEN, args=args) as s:
         s.wait_ready()
         yield s
 
@@ -757,3 +760,22 @@ def test_status_reports_the_kv_pool_and_memory_apart(server):
     assert set(memory) == {"weights", "kv_pool", "graphs"}
     assert memory["weights"] > 0 and memory["kv_pool"] > 0 and memory["graphs"] == 0  # no graphs on CPU
     assert status["attention_backend"] == "sdpa"  # auto, on CPU
+
+
+def test_a_browser_page_of_an_allowed_origin_may_call_the_api(server):
+    """CORS: the browser's preflight for a POST with an Authorization header is allowed for the
+    configured origin and not for another; the answer to the call itself names the origin and
+    exposes the seed header."""
+    preflight = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization,content-type",
+    }
+    r = httpx.options(server.v1 + "/chat/completions", headers={"origin": BROWSER_ORIGIN, **preflight})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    assert "POST" in r.headers["access-control-allow-methods"]
+    other = httpx.options(server.v1 + "/chat/completions", headers={"origin": "https://evil.example", **preflight})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    body = {"model": server.model, "prompt": "Hello", "max_tokens": 2}
+    r = server.http.post("/v1/completions", json=body, headers={"origin": BROWSER_ORIGIN, **server.key_headers()})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    assert "x-graphserve-seed" in r.headers["access-control-expose-headers"]
