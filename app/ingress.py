@@ -106,7 +106,8 @@ def _validation_message(e: ValidationError, body: object) -> tuple[str, str | No
     """The first error's message and the field it names, as a path into the client's `body`."""
     err = e.errors()[0]
     param = ".".join(str(p) for p in body_path(err["loc"], body, err["type"] == "missing")) or None
-    return f"{param}: {err['msg']}" if param else err["msg"], param
+    message = err["msg"].removeprefix("Value error, ")  # pydantic's wording around a validator's own message
+    return f"{param}: {message}" if param else message, param
 
 
 def body_path(loc: tuple, body: object, missing: bool) -> list:
