@@ -437,16 +437,28 @@ def straddling_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core)
 
 
-def test_a_stop_string_completed_only_at_the_streams_end_still_stops_it():
-    """'Hi' then the token of ' ' and half a character, and the stream ends (max_tokens): the ' '
-    came out only at the end, and the stop string ' ' it completes cuts the text there (the client
-    got ' \ufffd' and finish reason 'length')."""
+def test_a_stop_string_is_hit_at_the_token_that_completes_it_before_a_split_character():
+    """'Hi' then the token of ' ' and half a character: the stop string ' ' is complete at that
+    token, so it is hit there and counts 3 tokens, read one at a time or in reads, whatever comes
+    after (it was hit only when the character completed, counting the tokens drawn past it, or
+    only in `flush` when the stream ended there). Without a stop string the text waits for the
+    rest of the character, as before."""
     tokenizer = straddling_tokenizer()
     ids = enc(tokenizer, "Hi") + [tokenizer.convert_tokens_to_ids("Ġâ")]
     assert len(ids) == 3 and tokenizer.decode(ids) == "Hi \ufffd"
+    rest = enc(tokenizer, "€ ok")[1:]  # the character's other bytes, then more text
     detok = IncrementalDetokenizer(tokenizer, stop=(" ",))
-    assert [detok.add_tokens([t]) for t in ids] == [(1, "H", False), (1, "i", False), (1, "", False)]
+    assert [detok.add_tokens([t]) for t in ids] == [(1, "H", False), (1, "i", False), (1, "", True)]
     assert detok.flush() == ("", True)
+    for reads in ([ids + rest], [ids[:2], ids[2:] + rest], [ids[:1], ids[1:3], rest]):
+        detok = IncrementalDetokenizer(tokenizer, stop=(" ",))
+        counted, text = 0, ""
+        for read in reads:
+            n, piece, hit = detok.add_tokens(read)
+            counted, text = counted + n, text + piece
+            if hit:
+                break
+        assert (counted, text, hit) == (3, "Hi", True), reads
     without_stop = IncrementalDetokenizer(tokenizer, stop=("?",))
     assert "".join(without_stop.add([t])[0] for t in ids) + without_stop.flush()[0] == "Hi \ufffd"
 

@@ -175,21 +175,37 @@ class IncrementalDetokenizer:
         token from where it started."""
         if self.stopped:
             return 0, "", True
-        if not self._matchers or len(token_ids) <= 1:
+        if not self._matchers:
             text, hit = self.add(token_ids)
             return len(token_ids), text, hit
-        start = (len(self.ids), self._prefix, self._read, self._pending, [m.state for m in self._matchers])
-        text, hit = self.add(token_ids)
-        if not hit and self._read > start[2]:  # decoded to its last whole character, as token by token
-            return len(token_ids), text, False
-        self._rewind(*start)
+        if len(token_ids) > 1:
+            start = (len(self.ids), self._prefix, self._read, self._pending, [m.state for m in self._matchers])
+            text, hit = self.add(token_ids)
+            if not hit and self._read > start[2] and self._stop_in_held() is None:  # as token by token
+                return len(token_ids), text, False
+            self._rewind(*start)
         text = ""
         for n, token in enumerate(token_ids, 1):
             piece, hit = self.add([token])
             text += piece
+            if not hit and (before := self._stop_in_held()) is not None:
+                text, hit, self.stopped, self._pending = text + before, True, True, ""
             if hit:
                 return n, text, True
         return len(token_ids), text, False
+
+    def _stop_in_held(self) -> str | None:
+        """With the last tokens held back (they end inside a character), the text up to a stop
+        string that the whole characters before that character complete: a token such as `Ġì`
+        holds a space and the first byte of the next character, and a stop string ending in that
+        space is complete at that token, not at the one that completes the character. None when
+        no tokens are held or they complete no stop string."""
+        if self._read == len(self.ids):
+            return None
+        whole = self._decode(self.ids[self._prefix :]).rstrip("\ufffd")
+        text = self._pending + whole[len(self._decode(self.ids[self._prefix : self._read])) :]
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return text[: min(cuts)] if cuts else None
 
     def _rewind(self, ids: int, prefix: int, read: int, pending: str, states: list[int]) -> None:
         """Back to where a read started (before its tokens were added)."""
