@@ -314,3 +314,12 @@ def test_config_defaults_follow_transformers():
     assert parse_config(mistral).sliding_window == 4096
     assert parse_config({**mistral, "sliding_window": None}).sliding_window is None
     assert parse_config({**base, "hidden_act": "swish"}) == parse_config(base)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 4), (4, 0), (4, "2"), (0, 1)])
+def test_heads_that_do_not_group_are_refused_naming_the_keys(heads, kv_heads):
+    """6 attention heads over 4 key/value heads: transformers saves such a config (and fails in its
+    forward); it failed here in the warm-up with a reshape error that named neither key."""
+    raw = {**tiny_hf_config(261), "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    with pytest.raises(CheckpointError, match=rf"num_attention_heads={heads!r} and num_key_value_heads="):
+        parse_config(raw)

@@ -134,6 +134,12 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         raise CheckpointError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
 
     heads = raw["num_attention_heads"]
+    kv_heads = heads if raw.get("num_key_value_heads") is None else raw["num_key_value_heads"]
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and heads > 0 and kv_heads > 0) or heads % kv_heads:
+        raise CheckpointError(
+            f"num_attention_heads={heads!r} and num_key_value_heads={kv_heads!r}: each key/value head must serve "
+            "a whole number of attention heads"
+        )
     dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r}; supported: {', '.join(DTYPES)}")
@@ -144,7 +150,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         rms_norm_eps=raw.get("rms_norm_eps", RMS_NORM_EPS),
         rope_theta=rope_theta,

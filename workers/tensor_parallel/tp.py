@@ -3,9 +3,10 @@ model call's inputs to the other ranks.
 
 Rank 0 runs the scheduler and sampling; before each model call it broadcasts one fixed-size int64
 buffer holding a header (operation and sizes) and up to CAPACITY input ints. A collective costs
-about the same for 32 bytes as for 8 KB, so a decode step (3 ints per row) costs one broadcast,
-filled by one host-to-device copy; only a longer input (a large prefill) sends its remainder in a
-second broadcast. The other ranks loop in `Follower.follow`, making the same call on the same inputs, so
+about the same for 32 bytes as for 8 KB, so a decode step (4 ints per row: token, position, slot,
+adapter; and 3 per page-table edit) of up to ~250 rows costs one broadcast, filled by one
+host-to-device copy; a longer input (a large prefill, a decode step of 256 rows) sends its
+remainder in a second broadcast. The other ranks loop in `Follower.follow`, making the same call on the same inputs, so
 every rank replays the same bucket and meets the same all-reduces. No Ray call happens per step.
 Every wait is bounded by the process group's timeout, and an idle rank 0 sends heartbeats so a
 follower can tell "idle" from "dead". A model swap or gate runs on every rank the same way:
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 # then keeps or undoes alike); EAGER_PREFILL: a prefill that may not replay graphs.
 NOOP, PREFILL, DECODE, EAGER, STOP, LORA_LOAD, SWAP_LOAD, CHECK_BUCKETS, AGREE, EAGER_PREFILL = range(10)
 HEADER = 4  # op, rows, payload length, spare
-CAPACITY = 1024  # payload ints sent with the header: a decode step of up to 341 rows fits
+CAPACITY = 1024  # payload ints sent with the header: a decode step of up to 256 rows without page edits fits
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float) -> TPGroup:
