@@ -99,6 +99,7 @@ def test_a_schema_that_cannot_be_compiled_says_why_without_a_tokenizer(schema, s
         {"enum": [{"examples": 2**63 + 5}]},
         {"type": "integer", "minimum": 1e30, "maximum": 1e31},  # a float bound: llguidance gave 2**63 - 1
         {"type": ["integer", "null"], "exclusiveMaximum": -1e20},
+        {"type": "object", "properties": {"const": {"type": "integer", "minimum": 1e30}}},  # a property's name
     ],
 )
 def test_a_number_the_grammar_engine_cannot_hold_is_refused_not_rounded(schema):

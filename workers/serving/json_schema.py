@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 
 import llguidance
 
@@ -40,7 +41,7 @@ def grammar_of(schema: str) -> str:
     """The llguidance grammar of a canonical schema; InvalidSchema says why there is none. Needs no
     tokenizer, so the ingress refuses a bad schema before any replica sees it (once per schema)."""
     tree = json.loads(schema)
-    inexact = _inexact_integer(tree)
+    inexact = _inexact_number(tree)
     if inexact is not None:
         raise InvalidSchema(
             f"the JSON schema holds the number {inexact}, beyond what the grammar engine holds exactly (integers "
@@ -62,26 +63,32 @@ def grammar_of(schema: str) -> str:
     return grammar
 
 
-def _inexact_integer(node: object, names: bool = False, data: bool = False) -> int | float | None:
-    """The first number in a schema that the grammar engine would not hold the output to, None when
-    there is none: an integer a 64-bit float does not hold exactly (a bound of 10**30 became 1e30),
-    and a float bound of an integer schema past 64-bit integers (its range was clamped: `minimum:
-    1e30` gave 9223372036854775807). Annotations are skipped, but not the JSON values of `const`
-    and `enum` (`data`), whatever their keys. `names`: node maps names to schemas (`properties`)."""
-    if isinstance(node, bool):
-        return None
-    if isinstance(node, int):
-        return node if abs(node) > EXACT_INTEGERS else None
-    if isinstance(node, dict) and not data and _integer_typed(node):
-        bound = next((v for k in INTEGER_BOUNDS if isinstance(v := node.get(k), float) and abs(v) >= 2.0**63), None)
-        if bound is not None:
-            return bound
+def _values(node: object, names: bool = False, data: bool = False) -> Iterator[tuple[object, bool]]:
+    """Every value in a schema, with whether it is a schema itself (not a map of names to schemas
+    such as `properties`, and not JSON data: the values of `const` and `enum`, whatever their keys).
+    Annotations are skipped: they constrain nothing."""
+    yield node, not (names or data)
     children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for key, child in children:
         if data or names or key not in ANNOTATIONS:
-            found = _inexact_integer(child, not names and not data and key in NAMED_SCHEMAS, data or key in DATA_KEYS)
-            if found is not None:
-                return found
+            yield from _values(
+                child, not (names or data) and key in NAMED_SCHEMAS, data or (not names and key in DATA_KEYS)
+            )
+
+
+def _inexact_number(tree: object) -> int | float | None:
+    """The first number in a schema that the grammar engine would not hold the output to: an
+    integer a 64-bit float does not hold exactly (a bound of 10**30 became 1e30), and a float bound
+    of an integer schema past 64-bit integers (its range was clamped: `minimum: 1e30` gave
+    9223372036854775807); None when there is none."""
+    for value, schema in _values(tree):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > EXACT_INTEGERS:
+            return value
+        if schema and isinstance(value, dict) and _integer_typed(value):
+            for key in INTEGER_BOUNDS:
+                bound = value.get(key)
+                if isinstance(bound, float) and abs(bound) >= 2.0**63:
+                    return bound
     return None
 
 
@@ -90,21 +97,14 @@ def _integer_typed(schema: dict) -> bool:
     return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
 
 
-def _crowded_object(node: object, names: bool = False, data: bool = False) -> int | None:
-    """The most optional properties of one object schema in the schema, when more than the grammar
-    engine parses (MAX_OPTIONAL_PROPERTIES: llguidance's rows of 2,000 items fail at 501, on the
-    first token of the object, after the request was admitted); None otherwise."""
-    if data or not isinstance(node, dict | list):
-        return None
-    if isinstance(node, dict) and not names and isinstance(node.get("properties"), dict):
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        optional = len(set(node["properties"]) - set(required))
-        if optional > MAX_OPTIONAL_PROPERTIES:
-            return optional
-    children = node.items() if isinstance(node, dict) else enumerate(node)
-    for key, child in children:
-        if names or key not in ANNOTATIONS:
-            found = _crowded_object(child, not names and key in NAMED_SCHEMAS, key in DATA_KEYS and not names)
-            if found is not None:
-                return found
+def _crowded_object(tree: object) -> int | None:
+    """The optional properties of an object schema that has more than the grammar engine parses
+    (MAX_OPTIONAL_PROPERTIES: llguidance's rows of 2,000 items fail at 501, on the first token of
+    the object, after the request was admitted); None when none has."""
+    for value, schema in _values(tree):
+        if schema and isinstance(value, dict) and isinstance(value.get("properties"), dict):
+            required = value.get("required") if isinstance(value.get("required"), list) else []
+            optional = len(set(value["properties"]) - set(required))
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                return optional
     return None
