@@ -518,8 +518,13 @@ class Ingress:
 
     async def _fails_over(self, progress: Progress, failure: Failure) -> bool:
         """Whether a failed attempt goes on elsewhere: a replica or engine failure, within the
-        bound, with another replica serving."""
-        if not progress.fail(failure) or not await self.readiness.serving() - set(progress.avoid):
+        bound, with another replica serving. A failure before any item that names no replica (its
+        stream broke in transport) may have been the one replica serving: then it does not go on
+        (it went back to that replica, up to MAX_FAILOVERS times)."""
+        known = (failure.replica_id or progress.replica_id) is not None
+        if not progress.fail(failure):
+            return False
+        if len(await self.readiness.serving() - set(progress.avoid)) < (1 if known else 2):
             return False
         log.warning(
             "request fails over to another replica after %d tokens: %s", len(progress.output_ids), failure.error

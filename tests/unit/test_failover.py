@@ -420,6 +420,17 @@ async def test_the_ingress_does_not_retry_client_errors_or_without_another_repli
     assert last == (ENGINE_DEAD if serving == {"r1"} else rest.items[0]) and len(fake.llm.payloads) == len(serving)
 
 
+@pytest.mark.parametrize("serving", [{"r1"}, {"r1", "r2"}])
+async def test_a_failure_that_names_no_replica_goes_on_only_with_two_serving(serving):
+    """A stream that broke before its first item names no replica: with one serving, that one may
+    be it, and the request ended there (it was sent to it again, MAX_FAILOVERS times); with two,
+    it goes on."""
+    fake = ingress([FakeResponse([], then="raise"), FakeResponse([text_chunk([1], "r2", "length")])], serving)
+    items = await drain(fake)
+    assert len(fake.llm.payloads) == len(serving)
+    assert items[-1].finish_reason == "length" if len(serving) == 2 else items[-1].retry
+
+
 async def test_the_ingress_gives_up_after_the_bound_or_the_deadline(monkeypatch):
     from app.ingress import Ingress
 
