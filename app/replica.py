@@ -435,7 +435,7 @@ class LLMReplica:
                 detail = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
                 log.info("replica %s: swap %s done (%s): %s", self.replica_id, swap_id, path, detail)
             self.tokenizer = self.engine.tokenizer
-            self.engine_status = await self.engine.status()
+            await self._refresh_status()  # an engine that died meanwhile restarts: the step is reported all the same
         finally:
             self.draining = False
         self._set_swap_step(swap_id, step, detail, path)
