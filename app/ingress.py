@@ -388,7 +388,7 @@ class Ingress:
             adapter = (req.model, path)
         self.readiness.keep_fresh()
         serving = await self.readiness.serving()
-        if not serving:
+        if not serving and self.readiness.known:  # unknown (the controller never answered): Serve routes
             return error_response(503, "no replica has finished capturing its graphs yet", headers=RETRY_AFTER)
         chat = schema is ChatRequest
         try:
@@ -411,7 +411,7 @@ class Ingress:
             encode(payload)
         except (OverflowError, msgspec.EncodeError) as e:  # an integer no engine could hold (a token id of 2**70)
             return error_response(400, f"a number in the request is out of range: {e}")
-        if not admits(self._sequences, req.n, len(serving), self.config.max_num_seqs, self.config.max_waiting):
+        if not admits(self._sequences, req.n, len(serving) or 1, self.config.max_num_seqs, self.config.max_waiting):
             return error_response(
                 503,
                 f"the server is at capacity ({self._sequences} sequences under way through this ingress: "

@@ -8,6 +8,11 @@ before any replica was seen READY do callers wait for the controller. A restarte
 no replica until each reports again (about every second), so a replica it stops listing stays in
 the view for `grace_s` of answers that lack it. The grace starts with the first such answer, not
 with the last listing: a controller down for longer than the grace is no outage either.
+
+A view the controller has never answered (a new ingress while the controller hangs) is not `known`:
+its emptiness says nothing, and the ingress lets Serve route (Serve sends requests only to replicas
+whose start-up, capture included, has finished) instead of refusing every request. While the
+controller fails, callers do not wait for it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ class ReadinessView:
         self._refreshing: asyncio.Task | None = None
         self._keeper: asyncio.Task | None = None
         self._failing = False
+        self._known = False
+
+    @property
+    def known(self) -> bool:
+        """Whether the controller has answered since this view was made."""
+        return self._known
 
     def keep_fresh(self) -> None:
         """Refresh the view every max_age_s from now on, whether requests come or not (on the
@@ -58,7 +69,7 @@ class ReadinessView:
     async def any_ready(self) -> bool:
         if self.clock() - self._fetched_at > self.max_age_s:
             refresh = self._refresh()
-            if not any(self._ready.values()):
+            if not any(self._ready.values()) and not self._failing:
                 await asyncio.shield(refresh)  # a caller that goes away must not cancel the others' wait
         return any(self._ready.values())
 
@@ -86,7 +97,7 @@ class ReadinessView:
             return
         if self._failing:
             log.info("replica statuses available from the controller again")
-        self._failing = False
+        self._failing, self._known = False, True
         now = self.clock()
         self._missing_since = {r: self._missing_since.get(r, now) for r in self._ready if r not in fresh}
         self._ready = {

@@ -188,3 +188,19 @@ async def test_a_view_kept_fresh_sees_a_restart_with_no_request_asking():
         assert asyncio.get_running_loop().time() < deadline, "the view never saw the restart"
         await asyncio.sleep(0.01)
     view._keeper.cancel()
+
+
+async def test_a_view_the_controller_never_answered_is_not_known_and_does_not_wait():
+    """A new ingress while the controller hangs: its empty view is not `known` (the ingress then
+    lets Serve route instead of refusing every request for as long as the controller hangs), and
+    after the first failed look callers no longer wait for the controller."""
+    controller = Controller({"r1": "READY"})
+    controller.error = RuntimeError("the controller did not answer in time")
+    view = ReadinessView(controller.fetch, clock=Clock())
+    assert not await view.any_ready() and not view.known
+    controller.gate.clear()  # the controller now hangs
+    assert not await asyncio.wait_for(view.any_ready(), 1.0) and not view.known
+    controller.error = None
+    controller.gate.set()
+    await asyncio.sleep(0.01)  # the background look answers
+    assert await view.any_ready() and view.known
