@@ -812,9 +812,12 @@ class Ingress:
                 replicas.check_adapter.remote(adapter.name, adapter.path), self.config.engine_start_timeout_s
             )
         except TimeoutError:
-            return JSONResponse({"detail": "no replica checked the adapter in time; retry"}, status_code=503)
+            return JSONResponse(
+                {"detail": "no replica checked the adapter in time; retry"}, status_code=503, headers=RETRY_AFTER
+            )
         if "error" in check:
-            return JSONResponse({"detail": check["error"]}, status_code=check["status"])
+            retry = RETRY_AFTER if check["status"] == 503 else None
+            return JSONResponse({"detail": check["error"]}, status_code=check["status"], headers=retry)
         result = await self.controller.call(
             GraphController.add_lora_adapter, adapter.name, adapter.path, request.state.operator
         )
