@@ -15,7 +15,6 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -39,7 +38,9 @@ class SwapFailed(RuntimeError):
 
 
 def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
-    """Whether `new` only names another checkpoint of the same shapes (its weights load in place)."""
+    """Whether `new` only names another checkpoint of the same shapes (its weights load in place).
+    A .gguf file is compared by its converted checkpoint (converted here at most once: the cache
+    keeps it), so it runs in a thread."""
     if old.model is None or new.model is None:
         return False
     same_settings = (
@@ -52,7 +53,7 @@ def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
         return False
     from workers.serving.model_gate import same_shapes  # imports torch: a replica does only when it swaps
 
-    return same_shapes(Path(old.model), Path(new.model))
+    return same_shapes(model_dir(old.model), model_dir(new.model))
 
 
 class LocalEngine:
@@ -106,7 +107,7 @@ class LocalEngine:
         old, start = self.config, time.monotonic()
         self.swapping = True
         try:
-            if _in_place(old, config):
+            if await asyncio.to_thread(_in_place, old, config):
                 try:
                     report = await self.runner.ask(SwapInPlace(config))
                 except Exception as e:
@@ -303,7 +304,7 @@ class ShardGroup:
         old, start = self.config, time.monotonic()
         self.swapping = True
         try:
-            if _in_place(old, config):
+            if await asyncio.to_thread(_in_place, old, config):
                 try:
                     report = await self.rank0.swap_in_place.remote(config)
                 except ray.exceptions.RayTaskError as e:

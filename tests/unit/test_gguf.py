@@ -73,3 +73,13 @@ def test_what_is_not_a_gguf_checkpoint_is_refused(tmp_path):
     bad.write_bytes(b"not a gguf file" * 100)
     with pytest.raises(CheckpointError, match="cannot be read as a GGUF checkpoint"):
         converted(bad, tmp_path)
+
+
+def test_a_swap_between_a_gguf_file_and_its_checkpoint_loads_in_place(smollm2):
+    """A swap compared the raw `model` settings' shapes, and a .gguf file is not a directory: every
+    swap to or from one failed ("not a directory") before reading it."""
+    from app.shards import _in_place
+
+    gguf, checkpoint = smollm2
+    as_file, as_dir = EngineConfig(model=str(gguf)), EngineConfig(model=str(checkpoint))
+    assert _in_place(as_dir, as_file) and _in_place(as_file, as_dir)
