@@ -365,7 +365,7 @@ class GraphController:
     def get_lora_adapters(self) -> dict[str, dict]:
         return dict(self.lora_adapters)
 
-    def add_lora_adapter(self, name: str, path: str, actor: str) -> dict:
+    def add_lora_adapter(self, name: str, path: str, actor: str, client: str | None = None) -> dict:
         """Register an adapter (the ingress has had a replica load and verify it). Registering a
         name again with the same path changes nothing; with another path it replaces the entry
         (replicas load the new one on its next request)."""
@@ -376,6 +376,7 @@ class GraphController:
         audit = {
             "time": entry["added_at"],
             "actor": actor,
+            "client": client,
             "action": "add_lora_adapter",
             "adapter": name,
             "path": path,
@@ -387,13 +388,14 @@ class GraphController:
             return {"error": f"the adapter was not registered: {e}"}
         return {"name": name, **entry}
 
-    def remove_lora_adapter(self, name: str, actor: str) -> dict:
+    def remove_lora_adapter(self, name: str, actor: str, client: str | None = None) -> dict:
         entry = self.lora_adapters.get(name)
         if entry is None:
             return {"error": f"no adapter {name!r} was registered through the admin API", "status": 404}
         audit = {
             "time": time.time(),
             "actor": actor,
+            "client": client,
             "action": "remove_lora_adapter",
             "adapter": name,
             "path": entry["path"],
@@ -439,7 +441,7 @@ class GraphController:
 
     # -- rollout ---------------------------------------------------------------------------------
 
-    def start_rollout(self, plan: dict, actor: str) -> dict:
+    def start_rollout(self, plan: dict, actor: str, client: str | None = None) -> dict:
         """Start a rollout of `plan` (validated): {"rollout": ...}, or {"error", "status"}: 400 for an
         invalid plan, 409 while another is running or when the state cannot be written."""
         try:
@@ -456,7 +458,7 @@ class GraphController:
         rollout = Rollout.start(parsed, rollout_id, time.time(), self.signals(), actor)
         try:
             self._commit(
-                self._audit_entries(rollout, rollout.history),
+                self._audit_entries(rollout, rollout.history, client),
                 rollout=rollout,
                 rollouts_started=self.rollouts_started + 1,
             )
@@ -485,7 +487,7 @@ class GraphController:
             "history": [t.model_dump(mode="json") for t in r.history],
         }
 
-    def rollout_action(self, action: str, actor: str) -> dict:
+    def rollout_action(self, action: str, actor: str, client: str | None = None) -> dict:
         """pause, resume, promote or abort the current rollout: {"rollout": ...} or {"error", "status"}."""
         if self.rollout is None:
             return {"error": "no rollout has been started", "status": 404}
@@ -500,14 +502,14 @@ class GraphController:
         except RolloutConflict as e:
             return {"error": str(e), "status": 409}
         try:
-            self._commit(self._audit_entries(rollout, self._new_transitions(rollout)), rollout=rollout)
+            self._commit(self._audit_entries(rollout, self._new_transitions(rollout), client), rollout=rollout)
         except StateWriteError as e:
             return {"error": f"the rollout was not changed: {e}", "status": 409}
         return {"rollout": self.current_rollout()}
 
     # -- model swap --------------------------------------------------------------------------------
 
-    def start_swap(self, kind: str, body: dict, previous: dict, actor: str) -> dict:
+    def start_swap(self, kind: str, body: dict, previous: dict, actor: str, client: str | None = None) -> dict:
         """Start a rolling swap: kind "model" (body: a SwapRequest) or "graph_policy" (body: the new
         policy, validated by the caller). {"swap": ...}, or {"error", "status"}: 400 for an invalid
         body, 409 while a swap or a rollout runs, when no replica is READY, or when the state cannot
@@ -548,6 +550,7 @@ class GraphController:
         entry = {
             "time": swap.started_at,
             "actor": actor,
+            "client": client,
             "action": "swap",
             "swap_id": swap_id,
             "kind": kind,
@@ -738,11 +741,14 @@ class GraphController:
         return changed.history[len(self.rollout.history) :]
 
     @staticmethod
-    def _audit_entries(rollout: Rollout, transitions: list) -> list[dict]:
+    def _audit_entries(rollout: Rollout, transitions: list, client: str | None = None) -> list[dict]:
+        """The audit entries of a rollout's transitions; `client`: the address of the operator's call
+        that made them (None for the decision loop's own)."""
         return [
             {
                 "time": t.at,
                 "actor": t.actor,
+                "client": client,
                 "action": "rollout",
                 "rollout_id": rollout.id,
                 "phase": t.phase.value,

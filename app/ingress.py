@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app import auth
 from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
-from app.controller import ControllerClient, ControllerUnavailable, GraphController
+from app.controller import AUDIT_KEEP, ControllerClient, ControllerUnavailable, GraphController
 from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice
 from app.metrics import render
 from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
@@ -48,6 +48,7 @@ BODY_TIMEOUT_S = 30.0
 SEED_HEADER = "x-graphserve-seed"  # the seed a completion was sampled with: sent back as `seed`, it samples it again
 SWAP_RETRY_S = 0.05
 MAX_RECOMMENDED_BUCKETS = 64
+DEFAULT_AUDIT_ENTRIES = 100  # what GET /admin/audit answers without ?limit
 SCHEMA_REF = "#/components/schemas/{model}"
 
 
@@ -152,12 +153,20 @@ async def validated(schema: type[CompletionRequest] | type[ChatRequest], body: d
     return schema.model_validate(body)
 
 
-async def _json_body(request: Request) -> dict | JSONResponse:
+class BodyError(Exception):
+    """A body that could not be read or is not a JSON object: the status and why, for each API to
+    answer in its own error format."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def _json_body(request: Request) -> dict:
     """The body as a JSON object, parsed strictly (unlike json.loads): a lone UTF-16 surrogate escape,
-    NaN, Infinity, a number out of range and nesting past the parser's limit are all invalid JSON."""
+    NaN, Infinity, a number out of range and nesting past the parser's limit are all invalid JSON.
+    Raises BodyError."""
     raw = await _read_body(request)
-    if isinstance(raw, JSONResponse):
-        return raw
     try:
         body = from_json(raw, allow_inf_nan=False)
     except ValueError as e:
@@ -166,50 +175,61 @@ async def _json_body(request: Request) -> dict | JSONResponse:
             reason = f"a lone UTF-16 surrogate escape (\\ud800-\\udfff outside a pair), {reason}"
         elif re.search(rb"NaN|Infinity", raw):
             reason += " (NaN and Infinity are not JSON numbers)"
-        return error_response(400, f"request body is not valid JSON: {reason}")
+        raise BodyError(400, f"request body is not valid JSON: {reason}") from None
     if not isinstance(body, dict):
-        return error_response(400, "request body must be a JSON object")
+        raise BodyError(400, "request body must be a JSON object")
     return body
 
 
-async def _read_body(request: Request) -> bytes | JSONResponse:
-    """The body's bytes, or the 4xx that says why not: more than MAX_BODY_BYTES (413: a request
+async def _read_body(request: Request) -> bytes:
+    """The body's bytes, or BodyError saying why not: more than MAX_BODY_BYTES (413: a request
     crosses to its replica in one message, and past the transport's limit it failed there as a
     503 to retry), not all there within BODY_TIMEOUT_S (408: a connection that stops sending held
     one of the ingress's ongoing requests, and enough of them held /readyz too), or a client gone
     before it was all there (a 400 no one reads, not a 500 with a traceback in the log)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        return error_response(
-            413, f"the request body has {declared} bytes, more than this server takes ({MAX_BODY_BYTES})"
-        )
+        raise BodyError(413, f"the request body has {declared} bytes, more than this server takes ({MAX_BODY_BYTES})")
     chunks, size = [], 0
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
-                    return error_response(
-                        413, f"the request body is more than this server takes ({MAX_BODY_BYTES} bytes)"
-                    )
+                    raise BodyError(413, f"the request body is more than this server takes ({MAX_BODY_BYTES} bytes)")
                 chunks.append(chunk)
     except TimeoutError:
-        return error_response(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
+        raise BodyError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
     except ClientDisconnect:
-        return error_response(400, "the client went away before its request body arrived")
+        raise BodyError(400, "the client went away before its request body arrived") from None
     return b"".join(chunks)
+
+
+async def _admin_json(request: Request, shape: str) -> dict | JSONResponse:
+    """An admin call's body as a JSON object, or its 4xx: 400 naming the `shape` expected and what
+    is wrong, 413 or 408 as for the OpenAI routes."""
+    try:
+        return await _json_body(request)
+    except BodyError as e:
+        detail = f"request body must be a JSON object: {shape} ({e})" if e.status == 400 else str(e)
+        return JSONResponse({"detail": detail}, status_code=e.status)
 
 
 async def _admin_body(request: Request, schema: type[BaseModel], shape: str) -> BaseModel | JSONResponse:
     """An admin call's body as `schema`, or the 400 naming what is wrong (the field, when one is)."""
-    body = await _json_body(request)
+    body = await _admin_json(request, shape)
     if isinstance(body, JSONResponse):
-        return JSONResponse({"detail": f"request body must be a JSON object: {shape}"}, status_code=400)
+        return body
     try:
         return schema.model_validate(body)
     except ValidationError as e:
         message, field = _validation_message(e, body)
         return JSONResponse({"detail": message, "field": field}, status_code=400)
+
+
+def _client_address(request: Request) -> str:
+    """The caller's address, for the audit log and refused admin calls."""
+    return request.client.host if request.client else "unknown"
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -369,9 +389,10 @@ class Ingress:
         tenant = auth.tenant_for(auth.bearer(request.headers.get("authorization")), self.keys)
         if tenant is None:
             return error_response(401, "invalid or missing API key")
-        body = await _json_body(request)
-        if isinstance(body, JSONResponse):
-            return body
+        try:
+            body = await _json_body(request)
+        except BodyError as e:
+            return error_response(e.status, str(e))
         try:
             req = await validated(schema, body)
         except ValidationError as e:
@@ -600,17 +621,17 @@ class Ingress:
         """None when the bearer token is an operator's (whose name is then request.state.operator),
         else the 4xx refusal (logged by auth.authorize_admin, without the token)."""
         env = f"{self.config.admin_tokens_env} or {self.config.admin_token_env}"
-        client = request.client.host if request.client else "unknown"
         result = auth.authorize_admin(
             request.headers.get("authorization"),
             self.admin_tokens,
             f"set {env} on the Serve processes to enable it",
-            client,
+            _client_address(request),
             request.url.path,
         )
         if isinstance(result, auth.AdminRefusal):
             return JSONResponse({"detail": result.detail}, status_code=result.status)
         request.state.operator = result
+        request.state.client = _client_address(request)
         return None
 
     def _unknown_tenant(self, tenant: str) -> JSONResponse | None:
@@ -628,17 +649,16 @@ class Ingress:
         denied = self._admin_denied(request) or self._unknown_tenant(tenant)
         if denied:
             return denied
-        body = await _json_body(request)
+        body = await _admin_json(request, '{"cuda_graph": true|false}')
         if isinstance(body, JSONResponse):
-            return JSONResponse({"detail": "request body must be a JSON object"}, status_code=400)
+            return body
         try:
             toggle = ToggleBody.model_validate(body)
         except ValidationError as e:
             return JSONResponse({"detail": _validation_message(e, body)[0]}, status_code=400)
         # The audit names the operator whose token this is; no header the caller chooses is trusted.
-        client = request.client.host if request.client else "unknown"
         result = await self.controller.call(
-            GraphController.set_toggle, tenant, toggle.cuda_graph, request.state.operator, client
+            GraphController.set_toggle, tenant, toggle.cuda_graph, request.state.operator, request.state.client
         )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=409)
@@ -660,11 +680,14 @@ class Ingress:
         denied = self._admin_denied(request)
         if denied:
             return denied
-        body = await _json_body(request)
+        body = await _admin_json(request, "a rollout plan")
         if isinstance(body, JSONResponse):
-            return JSONResponse({"detail": "request body must be a JSON object (a rollout plan)"}, status_code=400)
+            return body
         return _rollout_response(
-            await self.controller.call(GraphController.start_rollout, body, request.state.operator), 201
+            await self.controller.call(
+                GraphController.start_rollout, body, request.state.operator, request.state.client
+            ),
+            201,
         )
 
     @api.get("/admin/rollouts/current")
@@ -687,7 +710,10 @@ class Ingress:
                 {"detail": f"unknown rollout action {action!r}; known: {', '.join(ROLLOUT_ACTIONS)}"}, status_code=404
             )
         return _rollout_response(
-            await self.controller.call(GraphController.rollout_action, action, request.state.operator), 200
+            await self.controller.call(
+                GraphController.rollout_action, action, request.state.operator, request.state.client
+            ),
+            200,
         )
 
     @api.post("/admin/model")
@@ -696,13 +722,13 @@ class Ingress:
         denied = self._admin_denied(request)
         if denied:
             return denied
-        body = await _json_body(request)
+        body = await _admin_json(request, '{"model": "<checkpoint dir>"}')
         if isinstance(body, JSONResponse):
-            return JSONResponse(
-                {"detail": 'request body must be a JSON object: {"model": "<checkpoint dir>"}'}, status_code=400
-            )
+            return body
         previous = {"model": self.config.model, "revision": self.config.model_revision}
-        result = await self.controller.call(GraphController.start_swap, "model", body, previous, request.state.operator)
+        result = await self.controller.call(
+            GraphController.start_swap, "model", body, previous, request.state.operator, request.state.client
+        )
         return _swap_response(result)
 
     @api.put("/admin/graph-policy")
@@ -720,7 +746,12 @@ class Ingress:
             return JSONResponse({"detail": str(e), "field": "decode_batch_buckets"}, status_code=400)
         previous = {"graph_policy": self.config.graph_policy().model_dump(mode="json")}
         result = await self.controller.call(
-            GraphController.start_swap, "graph_policy", policy.model_dump(mode="json"), previous, request.state.operator
+            GraphController.start_swap,
+            "graph_policy",
+            policy.model_dump(mode="json"),
+            previous,
+            request.state.operator,
+            request.state.client,
         )
         return _swap_response(result)
 
@@ -819,7 +850,7 @@ class Ingress:
             retry = RETRY_AFTER if check["status"] == 503 else None
             return JSONResponse({"detail": check["error"]}, status_code=check["status"], headers=retry)
         result = await self.controller.call(
-            GraphController.add_lora_adapter, adapter.name, adapter.path, request.state.operator
+            GraphController.add_lora_adapter, adapter.name, adapter.path, request.state.operator, request.state.client
         )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=409)
@@ -837,7 +868,9 @@ class Ingress:
                 {"detail": f"adapter {name!r} is defined in the config's lora_modules; remove it there"},
                 status_code=409,
             )
-        result = await self.controller.call(GraphController.remove_lora_adapter, name, request.state.operator)
+        result = await self.controller.call(
+            GraphController.remove_lora_adapter, name, request.state.operator, request.state.client
+        )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])
         self._registered_at = -math.inf
@@ -845,8 +878,17 @@ class Ingress:
 
     @api.get("/admin/audit")
     async def audit(self, request: Request) -> Response:
+        """The latest `limit` audit entries (default 100), oldest first; the controller keeps the last
+        AUDIT_KEEP."""
         denied = self._admin_denied(request)
-        return denied or JSONResponse({"audit": await self.controller.call(GraphController.audit_log)})
+        if denied:
+            return denied
+        raw = request.query_params.get("limit", str(DEFAULT_AUDIT_ENTRIES))
+        if not (re.fullmatch("[0-9]{1,4}", raw) and 1 <= int(raw) <= AUDIT_KEEP):
+            return JSONResponse(
+                {"detail": f"limit must be an integer from 1 to {AUDIT_KEEP}, got {raw[:40]!r}"}, status_code=400
+            )
+        return JSONResponse({"audit": await self.controller.call(GraphController.audit_log, int(raw))})
 
     # -- health, readiness, metrics ----------------------------------------------------------------
 

@@ -551,6 +551,10 @@ def test_rollout_through_the_admin_api(server):
     assert rollout_call(server, "POST", "/current/abort").status_code == 409  # it has ended
     entries = [a for a in audit(server) if a["action"] == "rollout" and a["rollout_id"] == rollout["id"]]
     assert [a["actor"] for a in entries] == ["alice", "alice", "alice", "bob", "bob"]
+    assert {a["client"] for a in entries} == {"127.0.0.1"}  # operators' calls, each with its address
+    latest = server.http.get("/admin/audit?limit=2", headers=server.admin_headers()).json()["audit"]
+    assert latest == entries[-2:]
+    assert server.http.get("/admin/audit?limit=0", headers=server.admin_headers()).status_code == 400
 
     text = server.http.get("/metrics").text
     assert "graphserve_rollout_percent 100.0" in text and 'graphserve_rollout_phase{phase="Succeeded"} 1.0' in text

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import app.ingress
-from app.ingress import _json_body, _validation_message, api, validated
+from app.ingress import BodyError, _admin_json, _json_body, _validation_message, api, validated
 from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape
 from workers.protocol import ChoiceChunk, LogprobItem
 from workers.serving.detokenizer import DetokState
@@ -39,17 +39,21 @@ def request_of(chunks: list[bytes], headers: dict[str, str] | None = None, end: 
     return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": raw_headers}, receive)
 
 
-def parse(raw: bytes) -> dict | JSONResponse:
-    return asyncio.run(_json_body(request_of([raw])))
+def body_of(request: Request) -> dict | BodyError:
+    try:
+        return asyncio.run(_json_body(request))
+    except BodyError as e:
+        return e
+
+
+def parse(raw: bytes) -> dict | BodyError:
+    return body_of(request_of([raw]))
 
 
 def error_message(raw: bytes) -> str:
-    response = parse(raw)
-    assert isinstance(response, JSONResponse)
-    assert response.status_code == 400
-    error = json.loads(response.body)["error"]
-    assert error["type"] == "invalid_request_error"
-    return error["message"]
+    error = parse(raw)
+    assert isinstance(error, BodyError) and error.status == 400
+    return str(error)
 
 
 # -- the body --------------------------------------------------------------------------------------
@@ -623,11 +627,10 @@ def test_a_json_schema_is_checked_off_the_event_loop(monkeypatch):
     assert asyncio.run(main()).json_schema() == '{"type":"object"}'
 
 
-def refusal(response: JSONResponse) -> tuple[int, str]:
-    assert isinstance(response, JSONResponse)
-    error = json.loads(response.body)["error"]
-    assert error["type"] == "invalid_request_error"
-    return response.status_code, error["message"]
+def refusal(request: Request) -> tuple[int, str]:
+    error = body_of(request)
+    assert isinstance(error, BodyError)
+    return error.status, str(error)
 
 
 def test_a_body_past_the_transport_limit_is_a_413_not_a_503_to_retry(monkeypatch):
@@ -636,12 +639,12 @@ def test_a_body_past_the_transport_limit_is_a_413_not_a_503_to_retry(monkeypatch
     length before reading it, or once the chunks read pass the limit."""
     monkeypatch.setattr(app.ingress, "MAX_BODY_BYTES", 100)
     declared = request_of([b"{}"], {"content-length": "101"})
-    assert refusal(asyncio.run(_json_body(declared))) == (
+    assert refusal(declared) == (
         413,
         "the request body has 101 bytes, more than this server takes (100)",
     )
     chunked = request_of([b'{"prompt": "', b"x" * 60, b"x" * 60, b'"}'])
-    assert refusal(asyncio.run(_json_body(chunked)))[0] == 413
+    assert refusal(chunked)[0] == 413
     assert asyncio.run(_json_body(request_of([b'{"a": "', b"x" * 80, b'"}']))) == {"a": "x" * 80}
     assert app.ingress.MAX_BODY_BYTES < 4 * 2**20  # the gRPC default, less room for what the request adds
 
@@ -651,9 +654,28 @@ def test_a_body_that_stops_arriving_is_a_408_and_a_client_gone_a_400(monkeypatch
     ever (1,152 of them stalled /readyz too); a client gone mid-body was a 500 with a traceback."""
     monkeypatch.setattr(app.ingress, "BODY_TIMEOUT_S", 0.2)
     stalled = request_of([b'{"prompt"'], end="stall")
-    assert refusal(asyncio.run(_json_body(stalled))) == (408, "the request body did not arrive within 0.2 s")
+    assert refusal(stalled) == (408, "the request body did not arrive within 0.2 s")
     gone = request_of([b'{"prompt"'], end="disconnect")
-    assert refusal(asyncio.run(_json_body(gone)))[0] == 400
+    assert refusal(gone)[0] == 400
+
+
+def test_an_admin_body_keeps_its_413_and_408_and_says_what_was_expected(monkeypatch):
+    """The admin routes answered every unreadable body with the same 400 ("must be a JSON object"),
+    a 4 MiB body and a stalled one included, and never said what was wrong with the JSON."""
+    monkeypatch.setattr(app.ingress, "MAX_BODY_BYTES", 100)
+    monkeypatch.setattr(app.ingress, "BODY_TIMEOUT_S", 0.2)
+
+    def answer(request: Request) -> tuple[int, str]:
+        response = asyncio.run(_admin_json(request, "a rollout plan"))
+        assert isinstance(response, JSONResponse)
+        return response.status_code, json.loads(response.body)["detail"]
+
+    assert answer(request_of([b"{}"], {"content-length": "101"}))[0] == 413
+    assert answer(request_of([b'{"steps"'], end="stall")) == (408, "the request body did not arrive within 0.2 s")
+    status, detail = answer(request_of([b'{"steps": [}']))
+    assert status == 400 and detail.startswith("request body must be a JSON object: a rollout plan (")
+    assert "not valid JSON" in detail
+    assert asyncio.run(_admin_json(request_of([b'{"steps": []}']), "a rollout plan")) == {"steps": []}
 
 
 def test_starlettes_errors_are_openais_with_their_headers():
