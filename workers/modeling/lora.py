@@ -157,25 +157,34 @@ class LoraAdapter:
 def targeted(config: AdapterConfig, num_layers: int) -> set[tuple[int, str]]:
     """The (layer, target) pairs the config's target_modules select and its exclude_modules do not,
     by PEFT's rules: a string is a regex matched against the whole module name; a list names
-    modules by their last parts."""
+    modules by their last parts, and names no module of this model has are passed over (training
+    tools write one list for several architectures: ["q_proj", "v_proj", "c_attn", ...]). An
+    adapter that selects nothing is refused, as PEFT refuses it; one that targets other modules
+    (lm_head, embeddings) is refused by its tensors' names."""
     every = {(i, t): f"model.layers.{i}.{PARENTS[t]}.{t}" for i in range(num_layers) for t in TARGETS}
-    if isinstance(config.target_modules, list):
-        unknown = sorted(w for w in config.target_modules if not _named([w], *every.values()))
-        if unknown:
-            raise AdapterError(
-                f"target_modules: {unknown} are not linear layers of this model (supported: {', '.join(TARGETS)})"
-            )
-    names = {k: n for k, n in every.items() if not (config.exclude_modules and _named(config.exclude_modules, n))}
+    names = {k: n for k, n in every.items() if not (config.exclude_modules and _named("exclude_modules", config, n))}
     if config.target_modules == "all-linear":
-        return set(names)
-    return {key for key, name in names.items() if _named(config.target_modules, name)}
+        chosen = set(names)
+    else:
+        chosen = {key for key, name in names.items() if _named("target_modules", config, name)}
+    if not chosen:
+        raise AdapterError(
+            f"target_modules {config.target_modules!r} (exclude_modules {config.exclude_modules!r}) select no "
+            f"linear layer of this model (its layers: {', '.join(TARGETS)})"
+        )
+    return chosen
 
 
-def _named(modules: list[str] | str, *names: str) -> bool:
-    """Whether PEFT's `modules` (a regex over the whole name, or a list of last parts) name any of `names`."""
+def _named(field: str, config: AdapterConfig, name: str) -> bool:
+    """Whether PEFT's modules in the config's `field` (a regex over the whole name, or a list of
+    last parts) name the module `name`."""
+    modules = getattr(config, field)
     if isinstance(modules, str):
-        return any(re.fullmatch(modules, n) for n in names)
-    return any(n == m or n.endswith("." + m) for n in names for m in modules)
+        try:
+            return re.fullmatch(modules, name) is not None
+        except re.error as e:
+            raise AdapterError(f"{field}: {modules!r} is not a regular expression ({e})") from None
+    return any(name == m or name.endswith("." + m) for m in modules)
 
 
 def load_adapter(
@@ -200,7 +209,10 @@ def load_adapter(
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
-        raise AdapterError(f"{path}: no adapter_model.safetensors")
+        pickled = " (there is an adapter_model.bin: a pickle, never read here; save it with safetensors)"
+        raise AdapterError(
+            f"{path}: no adapter_model.safetensors" + (pickled if (path / "adapter_model.bin").is_file() else "")
+        )
     try:
         with safe_open(weights_file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
@@ -234,10 +246,10 @@ def load_adapter(
                 f"fit r={config.r} and the layer's {in_size} -> {out_size}"
             )
         weights[key] = (a, b)
-    finite = [torch.isfinite(a).all() & torch.isfinite(b).all() for a, b in weights.values()]
+    finite = [torch.isfinite(a).all() & torch.isfinite(b.float() * config.scaling).all() for a, b in weights.values()]
     for key, ok in zip(weights, torch.stack(finite).tolist() if finite else [], strict=True):  # one sync
         if not ok:
-            raise AdapterError(f"layer {key[0]} {key[1]}: lora_A or lora_B holds NaN or inf")
+            raise AdapterError(f"layer {key[0]} {key[1]}: lora_A or lora_B (times the scaling) holds NaN or inf")
     return LoraAdapter(name, config.r, config.scaling, weights)
 
 
@@ -327,7 +339,9 @@ class LinearLora:
             in_cols, out_rows, offset = self.shard[target]
             b = b[out_rows]
             self.a[self.columns(index, slot, adapter.rank)].copy_(a[:, in_cols])
-            self.b[offset : offset + b.shape[0], slot - 1, : adapter.rank].copy_(b * adapter.scaling)
+            # scaled in fp32: a file's bf16 B times a scaling like 10/3, rounded to bf16, was off
+            # by up to 0.4% in an fp32 slot (and fp16 overflowed)
+            self.b[offset : offset + b.shape[0], slot - 1, : adapter.rank].copy_(b.float() * adapter.scaling)
 
     def forward(self, x: torch.Tensor, batch: LoraBatch, bias: bool) -> torch.Tensor:
         """The layer's output for x (2-D: rows, features) plus each row's adapter delta; `bias`:
