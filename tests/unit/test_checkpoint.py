@@ -323,3 +323,43 @@ def test_heads_that_do_not_group_are_refused_naming_the_keys(heads, kv_heads):
     raw = {**tiny_hf_config(261), "num_attention_heads": heads, "num_key_value_heads": kv_heads}
     with pytest.raises(CheckpointError, match=rf"num_attention_heads={heads!r} and num_key_value_heads="):
         parse_config(raw)
+
+
+def test_rope_scaling_added_to_a_v5_config_is_read_as_transformers_reads_it():
+    """A context-extension edit adds rope_scaling to a config that transformers v5 saved with
+    rope_parameters {"rope_type": "default"}: transformers applies rope_scaling, and graphserve read
+    the default rope and decoded other tokens from the first one on."""
+    from transformers import LlamaConfig
+
+    raw = {
+        **tiny_hf_config(261),
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    }
+    theirs = LlamaConfig.from_dict(raw).rope_parameters
+    ours = parse_config(raw)
+    assert (ours.rope_type, ours.rope_scaling["factor"]) == (theirs["rope_type"], theirs["factor"]) == ("linear", 4.0)
+    assert ours.rope_theta == theirs["rope_theta"]
+
+
+@torch.no_grad()
+def test_a_stored_head_other_than_the_embedding_is_kept_apart_as_transformers_does(tmp_path):
+    """A fine-tune that untied the head stores lm_head.weight while config.json still ties it:
+    graphserve ignored the tensor (a log line) and used the embedding, and every token differed.
+    Logits now equal transformers' on the same files; a stored head equal to the embedding stays
+    tied (one copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.conftest import make_hf_checkpoint
+
+    make_hf_checkpoint(tmp_path, "llama", tie_word_embeddings=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    save_file({**weights, "lm_head.weight": embedding.clone()}, tmp_path / "model.safetensors")
+    assert load_config(tmp_path).tie_word_embeddings
+    save_file({**weights, "lm_head.weight": torch.randn_like(embedding)}, tmp_path / "model.safetensors")
+    assert not load_config(tmp_path).tie_word_embeddings
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    ours = load_model(tmp_path, max_model_len=64)
+    hidden = torch.randn(3, embedding.shape[1])
+    assert torch.allclose(ours.logits(hidden), theirs.lm_head(theirs.model.norm(hidden)), rtol=1e-5, atol=1e-5)

@@ -6,19 +6,17 @@ model layer that owns it, so a tensor-parallel rank reads only its share of ever
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from workers.modeling.config import CheckpointError, ModelConfig, load_config
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
+from workers.modeling.weight_files import opened, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -27,40 +25,6 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # safetensors dtypes the weights may have; anything else (float8, int8 of a quantized export) is refused
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 REVISION_SAMPLE = 1 << 20
-
-
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e!r})") from e
-        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
-        if missing:
-            raise CheckpointError(f"{model_dir}: index names weight files that are missing: {', '.join(missing)}")
-        return {name: model_dir / f for name, f in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
-        hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
-        raise CheckpointError(f"{model_dir}: no *.safetensors weight files{hint}")
-    names: dict[str, Path] = {}
-    for f in files:
-        with _opened(f) as sf:
-            names.update(dict.fromkeys(sf.keys(), f))
-    return names
-
-
-@contextlib.contextmanager
-def _opened(path: Path):
-    """A safetensors file, or a CheckpointError naming it (a truncated or damaged download)."""
-    try:
-        with safe_open(path, framework="pt") as sf:
-            yield sf
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); a truncated or damaged file?") from e
 
 
 def model_revision(model_dir: Path) -> str:
@@ -111,10 +75,10 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> None:
     for name in targets:
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():  # every tensor checked before any is copied: a swap in place
-        with _opened(path) as sf:  # that fails leaves the weights it had
+        with opened(path) as sf:  # that fails leaves the weights it had
             check_tensors(sf, path, names, model.cfg)
     for path, names in by_file.items():
-        with _opened(path) as sf:
+        with opened(path) as sf:
             for name in names:
                 module, kind, part = targets[name]
                 tensor = sf.get_slice(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from typing import Any
 import torch
 
 from workers.modeling.checkpoint_dir import SUPPORTED_ARCHITECTURES, CheckpointError
+from workers.modeling.weight_files import stores_untied_head
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -121,7 +125,9 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     if raw.get("mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported")
 
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    # rope_scaling before rope_parameters, as transformers reads them: an edit that adds rope_scaling
+    # to a v5 config (rope_parameters: default) extends its context
+    rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -176,6 +182,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: missing config.json")
     cfg = parse_config(_read_json(path))
+    if cfg.tie_word_embeddings and stores_untied_head(Path(model_dir)):
+        log.warning("%s: config.json ties the head to the embedding, but lm_head.weight differs: kept apart", model_dir)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     generation = Path(model_dir) / "generation_config.json"
     if not generation.is_file():
         return cfg
