@@ -24,6 +24,7 @@ from app import auth
 from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
 from app.controller import AUDIT_KEEP, ControllerClient, ControllerUnavailable, GraphController
 from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice
+from app.logs import send_app_logs_to_stderr
 from app.metrics import render
 from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
 from app.readiness import ReadinessView
@@ -288,6 +289,7 @@ class AdapterBody(BaseModel):
 @serve.ingress(api)
 class Ingress:
     def __init__(self, llm, args: dict) -> None:
+        send_app_logs_to_stderr()
         self.config = AppConfig.from_args(args).for_app(serve.get_replica_context().app_name)
         self.replicas = llm  # unary calls (adapter checks)
         self.llm = llm.options(stream=True)

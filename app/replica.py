@@ -27,6 +27,7 @@ from ray import serve
 from app.config import AppConfig, use_gpu
 from app.controller import ControllerClient, GraphController
 from app.failover import continuation
+from app.logs import send_app_logs_to_stderr
 from app.metrics import RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
@@ -208,6 +209,7 @@ def tokenize(tokenizer, request: GenerateRequest, unlocked: bool = False) -> lis
 
 class LLMReplica:
     async def __init__(self, args: dict) -> None:
+        send_app_logs_to_stderr()
         started = time.monotonic()
         self.start_s: float | None = None  # from here to the engine's first READY, engine process start included
         # where start_s went outside the engine's own phases, and when (epoch) this replica began

@@ -322,6 +322,27 @@ def test_admin_token_never_returned(server):
             assert not any(secret in v for v in r.headers.values()), r.headers
 
 
+def test_a_refused_admin_call_is_logged_to_a_file_without_the_token(server):
+    """Under Serve's throughput-optimized mode (this suite's) a replica's stderr went into Serve's
+    buffered logger and the app's warnings reached no file; now they are in the ingress worker's
+    .err file, with the path and the reason, and never the token that was tried."""
+    tried = f"{ADMIN_TOKEN}-not-it"
+    assert server.http.get("/admin/status", headers=server.admin_headers(tried)).status_code == 403
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+
+    def refusal_lines() -> list[str]:
+        lines = []
+        for path in logs.rglob("*"):
+            if path.is_file() and path.suffix in (".err", ".out", ".log"):
+                text = path.read_text(errors="replace")
+                lines += [line for line in text.splitlines() if "admin call refused: reason=wrong" in line]
+        return lines
+
+    lines = wait_for(refusal_lines, 30, what="the refused admin call in a log file")
+    assert any("path='/admin/status'" in line for line in lines), lines
+    assert all(ADMIN_TOKEN not in line for line in lines)
+
+
 def _pid(actor, timeout: float = 30) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=timeout)
 
