@@ -57,6 +57,80 @@ class RequestMetrics:
         }
 
 
+# Engine counters in a replica's status: (where, the labels that name a series, its values)
+PART_COUNTERS = (
+    ("prefill_step_parts", STEP_LABELS, ("steps", "tokens", "padding_tokens")),
+    ("decode_step_parts", STEP_LABELS, ("steps", "rows", "padding_rows")),
+)
+NAMED_COUNTERS = (("busy_s",), ("lora", "loads"), ("lora", "generated_tokens"), ("prefix_cache",))
+
+
+class CarriedCounters:
+    """A replica's engine counters, never going down. The engine starts them from zero when it
+    restarts in place (a crash), a swap's gate runs, or a rebuild starts a new engine process, and
+    the replica label stays: its series dropped and, until a label set saw its first step again,
+    vanished. Each series that drops is taken as restarted (Prometheus' own reading of a drop) and
+    what it had is carried, added from then on; a restart the next report finds already past its
+    old total is not seen, as Prometheus would not see it."""
+
+    def __init__(self) -> None:
+        self.base: dict[tuple, float] = {}
+        self.last: dict[tuple, float] = {}
+
+    def apply(self, status: dict) -> dict:
+        """The status with its engine counters carried across the engine's restarts."""
+        raw = dict(_counter_series(status))
+        for key, value in self.last.items():
+            if raw.get(key, 0) < value:
+                self.base[key] = self.base.get(key, 0) + value
+        self.last = raw
+        return _with_series(status, {k: raw.get(k, 0) + self.base.get(k, 0) for k in raw.keys() | self.base.keys()})
+
+
+def _counter_series(status: dict):
+    stats = status.get("stats", {})
+    for where, labels, values in PART_COUNTERS:
+        for part in stats.get(where, []):
+            for value in values:
+                yield (where, tuple(part[k] for k in labels), value), part[value]
+    for path in NAMED_COUNTERS:
+        named = stats
+        for step in path:
+            named = named.get(step, {})
+        for name, value in named.items():
+            yield (*path, name), value
+    for check in stats.get("shadow", {}).get("by_bucket", []):
+        yield ("shadow", check["bucket_id"], check["result"]), check["count"]
+    if status.get("kv_cache"):
+        yield ("kv_cache", "preemptions"), status["kv_cache"]["preemptions"]
+
+
+def _with_series(status: dict, totals: dict[tuple, float]) -> dict:
+    if "stats" not in status:
+        return status
+    stats = dict(status["stats"])
+    if "lora" in stats:
+        stats["lora"] = dict(stats["lora"])
+    out = {**status, "stats": stats}
+    for where, labels, values in PART_COUNTERS:
+        parts: dict[tuple, dict] = {}
+        for (kind, *rest), total in totals.items():
+            if kind == where:
+                key, value = rest
+                parts.setdefault(key, dict(zip(labels, key, strict=True)) | dict.fromkeys(values, 0))[value] = total
+        stats[where] = [parts[k] for k in sorted(parts, key=str)]
+    for path in NAMED_COUNTERS:
+        parent = stats.get("lora", {}) if path[0] == "lora" else stats
+        if path[-1] in parent:
+            parent[path[-1]] = {key[-1]: total for key, total in totals.items() if key[:-1] == path}
+    if "shadow" in stats:
+        checks = [{"bucket_id": k[1], "result": k[2], "count": n} for k, n in totals.items() if k[0] == "shadow"]
+        stats["shadow"] = {**stats["shadow"], "by_bucket": sorted(checks, key=lambda c: (c["bucket_id"], c["result"]))}
+    if ("kv_cache", "preemptions") in totals:
+        out["kv_cache"] = {**status["kv_cache"], "preemptions": totals[("kv_cache", "preemptions")]}
+    return out
+
+
 def _histogram(name: str, doc: str, per_replica: dict[str, dict]) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, doc, labels=["replica"])
     for replica, h in per_replica.items():

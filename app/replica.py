@@ -28,7 +28,7 @@ from app.config import AppConfig, use_gpu
 from app.controller import ControllerClient, GraphController
 from app.failover import continuation
 from app.logs import send_app_logs_to_stderr
-from app.metrics import RequestMetrics
+from app.metrics import CarriedCounters, RequestMetrics
 from app.shards import LocalEngine, ShardGroup
 from policies.dispatch import EngineState, FallbackReason
 from policies.graph_policy import GraphPolicy
@@ -224,6 +224,7 @@ class LLMReplica:
         self.engine_status: EngineStatus | None = None
         self.model_fallback: dict | None = None  # the persisted swap target it could not load, and why
         self.metrics = RequestMetrics()
+        self.counters = CarriedCounters()  # engine counters across the engine's restarts and swaps
         self.tenant_of: dict[str, str] = {}
         self.denial_of: dict[str, FallbackReason | None] = {}  # what each running request was last given
         # The config's toggles until the controller answers: an unreachable controller delays no start.
@@ -275,7 +276,7 @@ class LLMReplica:
         status["swap"] = self.swap_progress
         status["model"] = self.config.model  # what this replica loaded: the configured model or a swap's target
         status["model_fallback"] = self.model_fallback
-        return status
+        return self.counters.apply(status)
 
     async def _serving_model(self) -> dict | None:
         """The model (or graph policy) the last swap put in force, which a replica starting now loads;

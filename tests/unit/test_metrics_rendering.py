@@ -3,10 +3,13 @@ replicas and the controller really produce."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.controller import GraphController
-from app.metrics import render
+from app.metrics import CarriedCounters, render
+from workers.serving.stats import EngineStats
 
 
 def families(text: bytes) -> dict:
@@ -41,3 +44,68 @@ def test_shadow_verifications_and_rollout_series(tmp_path):
     (tpot,) = [s for s in got["graphserve_rollout_guard_failures"].samples if s.name.endswith("_total")]
     assert (tpot.labels, tpot.value) == ({"guard": "tpot"}, 2.0)
     assert [s.value for s in families(render({}, None))["graphserve_rollout_percent"].samples] == [100.0]
+
+
+def engine_status(stats: EngineStats, shadow: list[dict], preemptions: int) -> dict:
+    """A replica's status as it holds the engine's (`EngineStatus.as_dict`'s stats and kv_cache)."""
+    kv = {"page_size": 16, "pages": 100, "pages_free": 90, "pages_cached": 3, "max_num_seqs": 8}
+    return {
+        "state": "READY",
+        "stats": {**stats.snapshot(), "shadow": {"mismatches": 0, "by_bucket": shadow}},
+        "kv_cache": {**kv, "preemptions": preemptions},
+        "lora": {"adapters": {}},
+    }
+
+
+def counters(text: bytes) -> dict[tuple, float]:
+    return {
+        (s.name, *sorted(s.labels.items())): s.value
+        for f in families(text).values()
+        if f.type == "counter"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_engine_counters_never_go_down_across_an_engine_restart():
+    """A swap's gate, a rebuild and an engine crash start the engine's counters from zero while the
+    replica (its `replica` label) stays: busy seconds went 5.2 -> 0, the prefix-cache counters and
+    adapter loads dropped, and step series vanished until their labels stepped again. Carried, every
+    counter series keeps its total and grows from there."""
+    before = EngineStats("rev1", "sdpa")
+    before.record_step("graph", "decode_bs_8", "none", rows=6, padding=2)
+    before.record_busy("decode", 5.2)
+    before.record_prefix_cache(76, 16)
+    before.record_adapter_load("refused", 0.0)
+    before.record_adapter_tokens(Counter({"sql": 40}))
+    before.record_prefill(2, 30, "eager", "prefill_eager", "none", 0)
+    shadow = [{"bucket_id": "decode_bs_8", "result": "match", "count": 41}]
+    carried = CarriedCounters()
+    first = counters(render({"r1": carried.apply(engine_status(before, shadow, preemptions=3))}))
+
+    after = EngineStats("rev1", "sdpa")  # the restarted engine: one decode step of another bucket so far
+    after.record_step("graph", "decode_bs_1", "none", rows=1, padding=0)
+    after.record_busy("decode", 0.5)
+    after.record_prefix_cache(4, 0)
+    second = counters(render({"r1": carried.apply(engine_status(after, [], preemptions=0))}))
+    assert set(first) <= set(second)
+    assert all(second[k] >= v for k, v in first.items()), {k: (v, second[k]) for k, v in first.items()}
+
+    def value(name: str, **labels) -> float:
+        (found,) = [v for (n, *ls), v in second.items() if n == name and all(ls_ in ls for ls_ in labels.items())]
+        return found
+
+    assert value("graphserve_engine_busy_seconds_total", phase="decode") == 5.7
+    assert value("graphserve_prefix_cache_queries_tokens_total") == 80
+    assert value("graphserve_decode_steps_total", bucket_id="decode_bs_8") == 1
+    assert value("graphserve_decode_steps_total", bucket_id="decode_bs_1") == 1
+    assert value("graphserve_lora_adapter_loads_total", result="refused") == 1
+    assert value("graphserve_lora_generated_tokens_total", adapter="sql") == 40
+    assert value("graphserve_shadow_verifications_total", result="match") == 41
+    assert value("graphserve_preemptions_total") == 3
+    assert value("graphserve_prefill_tokens_total") == 30
+
+    after.record_busy("decode", 0.5)
+    third = counters(render({"r1": carried.apply(engine_status(after, [], preemptions=1))}))
+    assert third[("graphserve_engine_busy_seconds_total", ("phase", "decode"), ("replica", "r1"))] == 6.2
+    assert third[("graphserve_preemptions_total", ("replica", "r1"))] == 4
