@@ -130,7 +130,8 @@ def _invalid(e: ValidationError) -> dict:
     """A 400 answer naming the first invalid field."""
     err = e.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
-    return {"error": f"{where}: {err['msg']}" if where else err["msg"], "status": 400}
+    message = err["msg"].removeprefix("Value error, ")  # pydantic's wording around a validator's own message
+    return {"error": f"{where}: {message}" if where else message, "status": 400, "field": where or None}
 
 
 def _shadow_mismatches(status: dict) -> int:

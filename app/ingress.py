@@ -133,15 +133,19 @@ ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
 
 def _rollout_response(result: dict, ok_status: int) -> JSONResponse:
     """The controller's answer to a rollout call: the rollout, or its refusal with the status it chose."""
-    if "error" in result:
-        return JSONResponse({"detail": result["error"]}, status_code=result["status"])
-    return JSONResponse(finite(result["rollout"]), status_code=ok_status)
+    return _refusal(result) or JSONResponse(finite(result["rollout"]), status_code=ok_status)
 
 
 def _swap_response(result: dict) -> JSONResponse:
-    if "error" in result:
-        return JSONResponse({"detail": result["error"]}, status_code=result["status"])
-    return JSONResponse(finite(result["swap"]), status_code=202)
+    return _refusal(result) or JSONResponse(finite(result["swap"]), status_code=202)
+
+
+def _refusal(result: dict) -> JSONResponse | None:
+    """The controller's refusal as the admin API's 4xx (with the invalid field, when it names one)."""
+    if "error" not in result:
+        return None
+    field = {"field": result["field"]} if result.get("field") else {}
+    return JSONResponse({"detail": result["error"], **field}, status_code=result["status"])
 
 
 async def validated(schema: type[CompletionRequest] | type[ChatRequest], body: dict) -> CompletionRequest | ChatRequest:

@@ -302,3 +302,33 @@ def test_a_replica_that_leaves_is_out_of_the_statuses_at_once(tmp_path):
     assert set(c.replica_statuses()) == {"r2"}
     c.report("r1", {"state": "READY"})  # a replica that reports again is back
     assert set(c.replica_statuses()) == {"r1", "r2"}
+
+
+def test_an_invalid_plan_is_refused_in_our_words_naming_the_field(tmp_path):
+    """A rollout plan's 400 began with pydantic's "Value error, " and named no field, unlike the
+    admin API's other 400s; each now says what is wrong and, where it is one field, which."""
+    c = GraphController(str(tmp_path / "state.json"), {})
+    decreasing = c.start_rollout({"steps": [{"percent": 50, "hold_s": 1}, {"percent": 10}]}, "alice", "10.0.0.1")
+    assert decreasing["status"] == 400 and not decreasing["field"]
+    assert decreasing["error"].startswith("steps: percentages must not decrease")
+    typed = c.start_rollout({"steps": [{"percent": "50"}]}, "alice", "10.0.0.1")
+    assert (typed["status"], typed["field"]) == (400, "steps.0.percent")
+    assert "Value error" not in decreasing["error"] + typed["error"]
+    assert c.audit_log(10) == []
+
+
+def test_every_operators_change_is_audited_with_the_client_address(tmp_path):
+    """Only tenant toggles carried the caller's address; rollouts, their actions, swaps and adapter
+    changes had `client: None`. The decision loop's own transitions have none."""
+    c = GraphController(str(tmp_path / "state.json"), {})
+    c.start_rollout({"steps": [{"percent": 10, "hold_s": 60}, {"percent": 100}]}, "alice", "10.0.0.1")
+    c.rollout_action("abort", "bob", "10.0.0.2")
+    c.add_lora_adapter("sql", "/adapters/sql", "carol", "10.0.0.3")
+    c.remove_lora_adapter("sql", "carol", "10.0.0.3")
+    assert [(e["actor"], e["client"]) for e in c.audit_log(10)] == [
+        ("alice", "10.0.0.1"),
+        ("alice", "10.0.0.1"),
+        ("bob", "10.0.0.2"),
+        ("carol", "10.0.0.3"),
+        ("carol", "10.0.0.3"),
+    ]
