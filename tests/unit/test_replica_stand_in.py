@@ -94,3 +94,18 @@ def test_a_swap_whose_engine_dies_is_reported_reverted_not_left_loading():
     steps = [r["swap"]["step"] for r in reports]
     assert steps == ["draining", "loading", "reverted"] and "exit code -9" in reports[-1]["swap"]["detail"]
     assert not replica.draining and replica.engine_status.state == "STARTING"
+
+
+class PipeClosedDuringSwap:
+    """An engine being rebuilt: its old child's pipe is closed."""
+
+    async def check_adapter(self, name: str, path: str) -> dict:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_an_adapter_check_during_a_swap_is_a_503_saying_so():
+    """POST /admin/lora-adapters while the replica rebuilt its engine answered 'engine process has
+    stopped: BrokenPipeError', which reads like a crash; the replica says it is swapping."""
+    replica = SimpleNamespace(engine=PipeClosedDuringSwap(), draining=True, replica_id="r1")
+    answer = asyncio.run(LLMReplica.check_adapter(replica, "sql", "/adapters/sql"))
+    assert answer == {"error": "replica r1 is swapping its model; retry", "status": 503}
