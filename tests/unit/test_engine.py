@@ -273,6 +273,14 @@ def test_max_model_len_beyond_the_model_is_capped_and_said(tiny, caplog):
     assert f"max_model_len={trained + 1000} is more than" in caplog.text and f"max_model_len={trained}" in caplog.text
 
 
+def test_a_max_model_len_of_one_position_is_refused_saying_why(tiny):
+    """One position (a config's, or a checkpoint trained for one) failed in the warm-up with an
+    IndexError from the rope table."""
+    config = EngineConfig(model=str(tiny.model_dir), max_model_len=1, max_num_seqs=1, device="cpu")
+    with pytest.raises(ValueError, match="a sequence needs at least 2 positions"):
+        LLMEngine.from_config(config)
+
+
 def _stop_string_case(tiny) -> tuple[list[int], list[int], str, int]:
     """A prompt whose greedy text has a clean two-character substring first occurring a few
     characters in: (prompt, greedy ids, stop string, its index in the text)."""

@@ -126,6 +126,11 @@ def load_for_engine(config: EngineConfig, device: torch.device, tp: TPGroup | No
             model_dir.name,
             max_len,
         )
+    if max_len < 2:
+        raise ValueError(
+            f"max_model_len {max_len} (the config's {config.max_model_len}, the model's max_position_embeddings "
+            f"{cfg.max_position_embeddings}): a sequence needs at least 2 positions, a prompt token and one generated"
+        )
     dtype = DTYPES[config.dtype] if config.dtype else None
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer = pool.submit(load_tokenizer, model_dir)
