@@ -58,6 +58,14 @@ ADAPTERS = {
 }
 
 
+def attn_adapter(base, path):
+    """The "attn" adapter of the checkpoint at `base`, saved to path."""
+    from transformers import AutoModelForCausalLM
+
+    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    return path
+
+
 @pytest.mark.parametrize("name", list(ADAPTERS))
 def test_the_slots_add_what_peft_adds(base, tmp_path, name):
     from transformers import AutoModelForCausalLM
@@ -156,10 +164,8 @@ def test_weights_loaded_after_the_slots_reach_the_layers_gemm(base, tmp_path):
     ],
 )
 def test_what_cannot_be_served_is_refused_naming_the_field(base, tmp_path, change, field):
-    from transformers import AutoModelForCausalLM
 
-    path = tmp_path / "adapter"
-    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    path = attn_adapter(base, tmp_path / "adapter")
     config = json.loads((path / "adapter_config.json").read_text())
     (path / "adapter_config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(AdapterError, match=field):
@@ -167,10 +173,8 @@ def test_what_cannot_be_served_is_refused_naming_the_field(base, tmp_path, chang
 
 
 def test_added_tokens_and_missing_halves_are_refused(base, tmp_path):
-    from transformers import AutoModelForCausalLM
 
-    path = tmp_path / "adapter"
-    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    path = attn_adapter(base, tmp_path / "adapter")
     weights = load_file(path / "adapter_model.safetensors")
     extra = {**weights, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)}
     save_file(extra, path / "adapter_model.safetensors")
@@ -209,10 +213,8 @@ def test_a_target_list_for_several_architectures_serves_the_modules_this_model_h
     """Training tools write one list for many models (["q_proj", "v_proj", "c_attn", ...]); PEFT
     adapts what matches. An adapter that matches nothing, and a target regex that does not compile,
     are refused naming the field (the regex was a re.error: a 500 for the request)."""
-    from transformers import AutoModelForCausalLM
 
-    path = tmp_path / "adapter"
-    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    path = attn_adapter(base, tmp_path / "adapter")
     config = json.loads((path / "adapter_config.json").read_text())
     for change, match in (
         ({"target_modules": [*config["target_modules"], "c_attn", "query_key_value"]}, None),
@@ -232,10 +234,8 @@ def test_a_target_list_for_several_architectures_serves_the_modules_this_model_h
 
 
 def test_a_pickled_adapter_is_refused_with_what_to_do(base, tmp_path):
-    from transformers import AutoModelForCausalLM
 
-    path = tmp_path / "adapter"
-    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    path = attn_adapter(base, tmp_path / "adapter")
     weights = load_file(path / "adapter_model.safetensors")
     torch.save(weights, path / "adapter_model.bin")
     (path / "adapter_model.safetensors").unlink()
@@ -350,10 +350,8 @@ def test_exclude_modules_are_left_out_as_peft_leaves_them_out(base, tmp_path):
 def test_an_adapter_for_a_deeper_model_and_a_damaged_file_are_refused_by_name(base, tmp_path):
     """A tensor of a layer the base model does not have names that layer and the model's depth; a
     truncated adapter_model.safetensors is an AdapterError naming the file, not a library error."""
-    from transformers import AutoModelForCausalLM
 
-    path = tmp_path / "adapter"
-    make_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path, seed=1, **ADAPTERS["attn"])
+    path = attn_adapter(base, tmp_path / "adapter")
     cfg = load_config(base)
     weights = load_file(path / "adapter_model.safetensors")
     deeper = {
