@@ -66,6 +66,7 @@ class _State(BaseModel):
     """The shape of the state file (what `_write_state` writes)."""
 
     toggles: dict[str, StrictBool]
+    configured_toggles: dict[str, StrictBool] | None = None  # the configuration's tenants the toggles started from
     audit: list[_AuditEntry]
     version: StrictInt = Field(ge=0)
     rollout: Rollout | None = None
@@ -80,6 +81,7 @@ class _State(BaseModel):
 
 PERSISTED = (
     "toggles",
+    "configured_toggles",
     "rollout",
     "rollouts_started",
     "swap",
@@ -90,6 +92,20 @@ PERSISTED = (
     "archived",
 )
 ARCHIVE_KEEP = 20
+
+
+def reconciled_toggles(
+    toggles: dict[str, bool], configured_before: dict[str, bool], configured: dict[str, bool]
+) -> dict[str, bool]:
+    """Tenant toggles under a configuration whose `tenants` may have changed since the state was
+    made: a tenant whose configured value is new or changed takes it (the configuration wins, as
+    for swaps); one whose configured value stayed keeps what it has (an operator's change stays);
+    one the configuration no longer names goes, unless an operator had set it otherwise."""
+    kept = {t: v for t, v in toggles.items() if t not in configured and v != configured_before.get(t, True)}
+    for tenant, value in configured.items():
+        same = tenant in configured_before and configured_before[tenant] == value and tenant in toggles
+        kept[tenant] = toggles[tenant] if same else value
+    return kept
 
 
 class StateWriteError(RuntimeError):
@@ -204,6 +220,7 @@ class GraphController:
         swap state persisted for another one is archived (`adopt`)."""
         self.path = Path(state_path)
         self.toggles = dict(initial_toggles)
+        self.configured_toggles = dict(initial_toggles)  # the configuration's `tenants` the toggles started from
         self.audit: list[dict] = []
         self.version = 0
         self.replicas: dict[str, dict] = {}
@@ -219,7 +236,11 @@ class GraphController:
         self._evaluated: tuple[str, float] = ("", 0.0)  # the rollout the loop last evaluated (or first saw), when
         state = _read_state(self.path)
         if state is not None:
-            self.toggles.update(state["toggles"])
+            configured = state.get("configured_toggles")
+            if configured is None:  # a file of an earlier version: the configuration's tenants, then the file's
+                self.toggles = {**initial_toggles, **state["toggles"]}
+            else:
+                self.toggles, self.configured_toggles = dict(state["toggles"]), configured
             self.audit = state["audit"][-AUDIT_KEEP:]
             self.version = state["version"]
             self.rollout = Rollout.model_validate(state["rollout"]) if state.get("rollout") else None
@@ -232,10 +253,18 @@ class GraphController:
             self.archived = state.get("archived", [])
         if made_for is not None:
             self.adopt(made_for, "controller")
+        if initial_toggles != self.configured_toggles:
+            self._configure_toggles(initial_toggles, "controller")
 
     # -- the configuration the swap state belongs to -----------------------------------------------
 
-    def adopt(self, made_for: dict, actor: str, replica_id: str | None = None) -> dict | None:
+    def adopt(
+        self,
+        made_for: dict,
+        actor: str,
+        replica_id: str | None = None,
+        configured_toggles: dict[str, bool] | None = None,
+    ) -> dict | None:
         """Bind the persisted swap state to the configuration `made_for` and return what a replica
         of it starting now loads (the last swap's target; None: the configured model). A starting
         `replica_id` joins a running swap in the same call, before the swap can finish: it loads
@@ -243,9 +272,12 @@ class GraphController:
         for another configuration (another model, revision or graph policy, or a file that does not
         say) is archived, not deleted, with an audit entry and a log line: the configuration wins.
         Toggles and rollouts stay; adapters registered through the admin API are archived only when
-        the configured model is known to have changed (they were trained for the old one)."""
+        the configured model is known to have changed (they were trained for the old one).
+        `configured_toggles`: the configuration's `tenants`, applied as `reconciled_toggles` says."""
         if made_for != self.made_for:
             self._archive_for(made_for, actor)
+        if configured_toggles is not None and configured_toggles != self.configured_toggles:
+            self._configure_toggles(configured_toggles, actor)
         if replica_id is not None:
             self._join_swap(replica_id)
         return self.serving_model
@@ -291,6 +323,25 @@ class GraphController:
                 made_for.get("model"),
             )
         self._commit_or_apply(entries, "the new configuration", **changes)
+
+    def _configure_toggles(self, configured: dict[str, bool], actor: str) -> None:
+        toggles = reconciled_toggles(self.toggles, self.configured_toggles, configured)
+        at = time.time()
+        entries = [
+            {
+                "time": at,
+                "actor": actor,
+                "tenant": tenant,
+                "action": "configure_cuda_graph",
+                "before": self.toggles.get(tenant, True),
+                "after": toggles.get(tenant, True),
+            }
+            for tenant in sorted(self.toggles.keys() | toggles.keys())
+            if self.toggles.get(tenant, True) != toggles.get(tenant, True)
+        ]
+        if entries:
+            log.warning("controller state %s: the configuration's tenants changed: %s", self.path, entries)
+        self._commit_or_apply(entries, "the configuration's tenants", toggles=toggles, configured_toggles=configured)
 
     def get_toggles(self, known_version: int = -1) -> tuple[int, dict[str, bool] | None]:
         """(version, toggles); toggles is None when the caller already has this version."""

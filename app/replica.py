@@ -291,6 +291,7 @@ class LLMReplica:
                 self.configured.made_for(),
                 f"replica {self.replica_id}",
                 self.replica_id,
+                self.configured.initial_toggles(),
             )
         except Exception as e:
             log.warning(

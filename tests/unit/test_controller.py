@@ -94,7 +94,8 @@ def test_a_bad_state_file_is_kept_aside_and_the_config_used(tmp_path, caplog, co
     assert reason in record.getMessage() and aside in record.getMessage()
     # and it works from there: the next write creates a fresh state file
     assert c.set_toggle("tenant-b", True, "bob")["cuda_graph"] is True
-    assert GraphController(str(path), {}).toggles == {"tenant-a": True, "tenant-b": True}
+    # a configuration without tenants: tenant-b stays as bob set it (its configured value was False)
+    assert GraphController(str(path), {}).toggles == {"tenant-b": True}
 
 
 def test_a_bad_state_file_that_cannot_be_moved_still_does_not_stop_the_start(tmp_path, caplog, monkeypatch):
@@ -332,3 +333,31 @@ def test_every_operators_change_is_audited_with_the_client_address(tmp_path):
         ("carol", "10.0.0.3"),
         ("carol", "10.0.0.3"),
     ]
+
+
+def test_a_changed_tenants_config_wins_and_an_operators_change_stays(tmp_path):
+    """The state file's toggles overrode the configuration's for good: a redeploy with tenant-a
+    turned off kept it on, and tenants dropped from the configuration came back. Now a tenant whose
+    configured value changed takes it (audited), one whose configured value stayed keeps an
+    operator's change, and a dropped tenant goes unless an operator set it."""
+    path = str(tmp_path / "state.json")
+    first = GraphController(path, {"a": True, "b": True, "c": True, "gone": True, "kept": True})
+    first.set_toggle("b", False, "alice", "10.0.0.1")  # an operator's change, configured value untouched
+    first.set_toggle("kept", False, "alice", "10.0.0.1")
+    second = GraphController(path, {"a": False, "b": True, "c": True, "new": False})
+    assert second.toggles == {"a": False, "b": False, "c": True, "new": False, "kept": False}
+    changes = [
+        (e["tenant"], e["before"], e["after"]) for e in second.audit_log(10) if e["action"] == "configure_cuda_graph"
+    ]
+    assert changes == [("a", True, False), ("new", True, False)]
+    again = GraphController(path, {"a": False, "b": True, "c": True, "new": False})  # nothing changed since
+    assert again.toggles == second.toggles and again.version == second.version
+
+
+def test_a_running_controller_takes_a_changed_tenants_config_from_a_starting_replica(tmp_path):
+    """The controller is a detached actor: a redeploy with a new configuration finds it running, so a
+    starting replica brings the configuration's tenants when it asks what to load."""
+    c = GraphController(str(tmp_path / "state.json"), {"a": True})
+    version = c.version
+    c.adopt(c.made_for or {}, "replica r1", "r1", {"a": False})
+    assert c.toggles == {"a": False} and c.version > version
