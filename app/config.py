@@ -7,11 +7,13 @@ this config holds.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -97,6 +99,22 @@ class AutoscalingConfig(BaseModel):
             raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
         return self
 
+    @model_validator(mode="after")
+    def _serve_knows_every_key(self) -> AutoscalingConfig:
+        """Other keys go to Serve as they are, and Serve drops a key it does not know without a word
+        (`max_replica: 3` left the deployment at 2)."""
+        from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+
+        unknown = sorted(set(self.model_extra or {}) - set(ServeAutoscalingConfig.model_fields))
+        if unknown:
+            raise ValueError(
+                f"unknown keys {unknown}; Serve's: {', '.join(sorted(ServeAutoscalingConfig.model_fields))}"
+            )
+        return self
+
+
+INGRESS_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 128}
+
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -126,7 +144,7 @@ class AppConfig(BaseModel):
         "is swapping its model it waits this long for one, then gets a 503",
     )
     max_num_seqs: int | None = Field(
-        None, ge=1, description="the batch limit (sequences decoded together); null: 256 on GPU, 32 on CPU"
+        None, ge=1, le=65536, description="the batch limit (sequences decoded together); null: 256 on GPU, 32 on CPU"
     )
     max_model_len: int = Field(
         2048,
@@ -267,7 +285,7 @@ class AppConfig(BaseModel):
         "added before requests queue",
     )
     ingress_autoscaling: AutoscalingConfig = Field(
-        AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=128),
+        AutoscalingConfig(**INGRESS_AUTOSCALING),
         description="Serve autoscaling of the ingress (HTTP, validation, SSE), so one interpreter does not cap what "
         "the LLM replicas stream",
     )
@@ -312,7 +330,7 @@ class AppConfig(BaseModel):
         description="the controller actor's name; null: `graphserve-controller.<app>.<served model name>`, one per "
         "deployment (Serve application and served model name), like its state file",
     )
-    controller_namespace: str = Field("graphserve", description="the controller actor's Ray namespace")
+    controller_namespace: str = Field("graphserve", min_length=1, description="the controller actor's Ray namespace")
     controller_state_path: str | None = Field(
         None,
         description="where tenant toggles, swaps, registered adapters and the audit log persist: one file per "
@@ -329,6 +347,13 @@ class AppConfig(BaseModel):
         0.0, ge=0, description="testing aid: a replica waits this long before it starts its engine"
     )
 
+    @field_validator("ingress_autoscaling", mode="before")
+    @classmethod
+    def _over_the_ingress_defaults(cls, value: Any) -> Any:
+        """A partial section changes what it names: `{max_replicas: 3}` kept the LLM replicas'
+        defaults for the rest (a target of 24, not 128)."""
+        return {**INGRESS_AUTOSCALING, **value} if isinstance(value, dict) else value
+
     @model_validator(mode="after")
     def _lora_modules_need_slots(self) -> AppConfig:
         for name in self.lora_modules:
@@ -339,11 +364,32 @@ class AppConfig(BaseModel):
             raise ValueError(f"lora_modules: adapter {self.served_name()!r} has the served model's name")
         if self.max_num_seqs is not None:  # else the device's default, which the config does not name
             self.cuda_graph_policy.check_fits(self.max_num_seqs)
+        if self.model is not None and not model_name(self.model):
+            raise ValueError(f"model {self.model!r} names no checkpoint; null serves the default model")
+        if self.kv_page_size > self.max_model_len:
+            raise ValueError(
+                f"kv_page_size {self.kv_page_size} is above max_model_len {self.max_model_len}: a page would hold "
+                "more positions than any sequence has, and a prefix is cached by whole pages"
+            )
         return self
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
-        return cls.model_validate(args or {})
+        """The config of a Serve config file's `args`, or of `serve run app:deployment k=v ...`, whose
+        values all arrive as strings: there a dotted key sets one field of a section
+        (`lora.max_loras=4`, `cuda_graph_policy.mode=eager`), a field that takes no text reads its
+        value as JSON (`cors_allowed_origins='["*"]'`, `cuda_graph_policy='{"mode": "eager"}'`), and
+        `null` is null wherever null is allowed."""
+        nested: dict[str, Any] = {}
+        for key, value in (args or {}).items():
+            path = key.split(".")
+            section = nested
+            for part in path[:-1]:
+                section = section.setdefault(part, {})
+                if not isinstance(section, dict):
+                    raise ValueError(f"{key}: {part} is given a value of its own and fields too")
+            section[path[-1]] = _from_text(_annotation(cls, path), value) if isinstance(value, str) else value
+        return cls.model_validate(nested)
 
     def on_device(self, gpu: bool) -> AppConfig:
         """This config with what depends on the accelerator resolved: the accelerator itself, the
@@ -353,7 +399,9 @@ class AppConfig(BaseModel):
             update["max_num_seqs"] = 256 if gpu else 32
         if self.max_prefill_delay_ms is None:
             update["max_prefill_delay_ms"] = GPU_PREFILL_DELAY_MS if gpu else 0.0
-        return self.model_copy(update=update)
+        resolved = self.model_copy(update=update)
+        resolved.cuda_graph_policy.check_fits(resolved.max_num_seqs)  # now that the batch limit is known
+        return resolved
 
     def served_name(self) -> str:
         """The `model` clients ask for."""
@@ -380,17 +428,55 @@ class AppConfig(BaseModel):
         }
 
     def graph_policy(self) -> GraphPolicy:
-        return load_policy(self.cuda_graph_policy_file) if self.cuda_graph_policy_file else self.cuda_graph_policy
+        """The policy in force: `cuda_graph_policy_file`'s (read where the replica runs: on
+        Kubernetes the mounted ConfigMap), else `cuda_graph_policy`; ValueError naming the key."""
+        if not self.cuda_graph_policy_file:
+            return self.cuda_graph_policy
+        try:
+            return load_policy(self.cuda_graph_policy_file)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cuda_graph_policy_file {self.cuda_graph_policy_file}: {e}") from e
 
     def initial_toggles(self) -> dict[str, bool]:
         return {name: t.cuda_graph for name, t in self.tenants.items()}
 
 
+def _annotation(model: type[BaseModel], path: list[str]) -> Any:
+    """The type a dotted path of fields names in `model` (None past what is known)."""
+    annotation: Any = model
+    for part in path:
+        models = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if models and part in models[0].model_fields:
+            annotation = models[0].model_fields[part].annotation
+        elif get_origin(annotation) is dict:
+            annotation = get_args(annotation)[1]
+        else:
+            return None
+    return annotation
+
+
+def _from_text(annotation: Any, text: str) -> Any:
+    """A command-line value for a field of `annotation`: the text for a field that takes text (None
+    for `null` where null is allowed), else the JSON it holds (kept as text when it holds none: the
+    field's own check says what is wrong)."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    takes_text = any(
+        o is str or (get_origin(o) is Literal and all(isinstance(v, str) for v in get_args(o))) for o in options
+    )
+    if takes_text:
+        return None if text == "null" and type(None) in options else text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def secret_entries(raw: str | None) -> Iterator[tuple[int, str, str, bool]]:
-    """The `name:secret` entries of a comma-separated list: (position from 1, name, secret, whether
-    it has that form), each part without the spaces around it (`a: k1, b: k2` is `a:k1,b:k2`: a
-    client's bearer token is read without them too)."""
-    for i, entry in enumerate(filter(None, (e.strip() for e in (raw or "").split(","))), start=1):
+    """The `name:secret` entries of a list separated by commas or line ends (a secret file of one
+    entry a line): (position from 1, name, secret, whether it has that form), each part without the
+    spaces around it (`a: k1, b: k2` is `a:k1,b:k2`: a client's bearer token is read without them
+    too)."""
+    for i, entry in enumerate(filter(None, (e.strip() for e in re.split(r"[,\r\n]", raw or ""))), start=1):
         name, sep, secret = (part.strip() for part in entry.partition(":"))
         yield i, name, secret, bool(sep and name and secret)
 
@@ -411,7 +497,15 @@ def parse_api_keys(raw: str | None) -> dict[str, str]:
 
 
 def api_keys_from_env(config: AppConfig) -> dict[str, str]:
-    return parse_api_keys(os.environ.get(config.api_keys_env))
+    """{key: tenant} from `api_keys_env`; unset: no keys, the API is open. Set but without an
+    entry (an empty secret, a secret that did not mount) is refused: that would open it silently."""
+    raw = os.environ.get(config.api_keys_env)
+    keys = parse_api_keys(raw)
+    if raw is not None and not keys:
+        raise ValueError(
+            f"{config.api_keys_env} is set but holds no tenant:key entry; unset it to serve the API without keys"
+        )
+    return keys
 
 
 ADMIN_OPERATOR = "admin"  # the operator name of the single token in admin_token_env

@@ -20,6 +20,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from jinja2 import TemplateError
 from ray import serve
@@ -69,6 +70,9 @@ NORMALIZER_FOLD = 4  # characters a tokenizer's normalizer may fold into one (NF
 
 
 def engine_config(config: AppConfig) -> EngineConfig:
+    policy = config.graph_policy()
+    if config.max_num_seqs is not None:  # a policy file's buckets are read only here, where it is mounted
+        policy.check_fits(config.max_num_seqs)
     return EngineConfig(
         model=config.model,
         model_revision=config.model_revision,
@@ -86,7 +90,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         max_num_batched_tokens=config.max_num_batched_tokens,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         max_prefill_delay_ms=config.max_prefill_delay_ms or 0.0,
-        graph_policy=config.graph_policy(),
+        graph_policy=policy,
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank, tuple(config.lora.target_modules))
         if config.lora
         else None,
@@ -217,6 +221,9 @@ class LLMReplica:
         context = serve.get_replica_context()
         self.config = AppConfig.from_args(args).for_app(context.app_name)
         self.configured = self.config  # what the deployment was configured with, before any swap target
+        missing = {n: p for n, p in self.config.lora_modules.items() if not (Path(p) / "adapter_config.json").is_file()}
+        if missing:  # else /v1/models lists them and every request for them is a 400
+            raise ValueError(f"lora_modules: {missing} hold no adapter_config.json (a PEFT adapter directory)")
         self.replica_id = context.replica_id.unique_id
         self.controller = ControllerClient(self.config)
         self.state = "STARTING"  # until the engine exists; then the engine's own state

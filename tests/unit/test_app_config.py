@@ -8,8 +8,8 @@ import yaml
 from pydantic import ValidationError
 
 from app import auth
-from app.config import AppConfig, admin_tokens_from_env, parse_admin_tokens, parse_api_keys
-from app.replica import fit_max_tokens
+from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, parse_admin_tokens, parse_api_keys
+from app.replica import engine_config, fit_max_tokens
 from workers.serving.sampling import InvalidRequest
 
 
@@ -248,6 +248,95 @@ def test_a_decode_bucket_beyond_max_num_seqs_is_refused_naming_it():
     with pytest.raises(ValidationError, match=r"decode_batch_buckets: \[64\] above max_num_seqs=32"):
         AppConfig.model_validate({"max_num_seqs": 32, "cuda_graph_policy": {"decode_batch_buckets": [1, 8, 64]}})
     AppConfig.model_validate({"max_num_seqs": 64, "cuda_graph_policy": {"decode_batch_buckets": [1, 8, 64]}})
+
+
+def test_a_bucket_beyond_the_devices_batch_limit_or_in_a_policy_file_is_refused_before_any_start(tmp_path):
+    """With max_num_seqs left to the device (32 on CPU) a bucket of 10^9 passed the builder and failed
+    in every replica; in a policy file it passed everywhere and a replica sized inputs for 10^9 rows."""
+    config = AppConfig.from_args({"cuda_graph_policy": {"decode_batch_buckets": [1, 1_000_000_000]}})
+    with pytest.raises(ValueError, match=r"decode_batch_buckets: \[1000000000\] above max_num_seqs=32"):
+        config.on_device(gpu=False)
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({"cuda_graph_policy": {"decode_batch_buckets": [1, 2, 100_000_000]}}))
+    in_file = AppConfig.from_args({"max_num_seqs": 4, "cuda_graph_policy_file": str(path)})
+    with pytest.raises(ValueError, match=r"decode_batch_buckets: \[100000000\] above max_num_seqs=4"):
+        engine_config(in_file)
+    missing = AppConfig.from_args({"cuda_graph_policy_file": str(tmp_path / "none.yaml")})
+    with pytest.raises(ValueError, match="cuda_graph_policy_file .*none.yaml"):
+        missing.graph_policy()
+
+
+def test_command_line_values_reach_sections_lists_and_null():
+    """`serve run app:deployment k=v` passes every value as a string: dotted keys, JSON for fields
+    that take no text, and null were all refused, though the docs say the same keys work there."""
+    config = AppConfig.from_args(
+        {
+            "lora.max_loras": "4",
+            "cuda_graph_policy.mode": "eager",
+            "cuda_graph_policy.compile": "false",
+            "cuda_graph_policy.decode_batch_buckets": "[1, 2, 4]",
+            "cors_allowed_origins": '["*"]',
+            "autoscaling": '{"max_replicas": 3}',
+            "tenants.tenant-a.cuda_graph": "false",
+            "max_num_seqs": "null",
+            "dtype": "null",
+            "model": "null",
+            "served_model_name": "123",
+            "enable_prefix_caching": "false",
+        }
+    )
+    assert (config.lora.max_loras, config.cuda_graph_policy.mode, config.cuda_graph_policy.compile) == (
+        4,
+        "eager",
+        False,
+    )
+    assert config.cuda_graph_policy.decode_batch_buckets == (1, 2, 4) and config.cors_allowed_origins == ["*"]
+    assert config.autoscaling.max_replicas == 3 and not config.tenants["tenant-a"].cuda_graph
+    assert (config.max_num_seqs, config.dtype, config.model, config.served_model_name) == (None, None, None, "123")
+    assert not config.enable_prefix_caching
+    with pytest.raises(ValidationError, match="max_model_length"):
+        AppConfig.from_args({"max_model_length": "4096"})
+
+
+def test_autoscaling_sections_take_only_serves_keys_and_keep_their_own_defaults():
+    """A typo inside `autoscaling` went to Serve, which dropped it; a partial ingress section took
+    the LLM replicas' defaults for the rest (a target of 24 instead of 128, a max of 2)."""
+    with pytest.raises(ValidationError, match=r"unknown keys \['max_replica'\]"):
+        AppConfig.from_args({"autoscaling": {"max_replica": 3}})
+    assert AppConfig.from_args({"autoscaling": {"upscale_delay_s": 5}}).autoscaling.model_extra == {
+        "upscale_delay_s": 5
+    }
+    ingress = AppConfig.from_args({"ingress_autoscaling": {"max_replicas": 3}}).ingress_autoscaling
+    assert (ingress.min_replicas, ingress.max_replicas, ingress.target_ongoing_requests) == (1, 3, 128)
+    assert AppConfig.from_args({"ingress_autoscaling": {"min_replicas": 3}}).ingress_autoscaling.max_replicas == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ({"model": ""}, "names no checkpoint"),
+        ({"model": "."}, "names no checkpoint"),
+        ({"controller_namespace": ""}, "controller_namespace"),
+        ({"kv_page_size": 100000}, "kv_page_size 100000 is above max_model_len 2048"),
+        ({"max_num_seqs": 100_000_000}, "max_num_seqs"),
+    ],
+)
+def test_values_that_failed_late_or_silently_are_refused_naming_the_key(args, needle):
+    with pytest.raises(ValidationError, match=needle):
+        AppConfig.from_args(args)
+
+
+def test_secrets_a_line_each_and_a_set_but_empty_list(monkeypatch):
+    """A multi-line secret (one entry a line) parsed as one unusable entry; a variable that is set
+    but holds no entry (a secret that did not mount) left the API open without a word."""
+    assert parse_api_keys("a:k1\nb:k2\r\n") == {"k1": "a", "k2": "b"}
+    assert parse_admin_tokens("alice:t1\nbob:t2") == {"t1": "alice", "t2": "bob"}
+    for empty in ("", "   ", ",,,", "\n"):
+        monkeypatch.setenv("GRAPHSERVE_API_KEYS", empty)
+        with pytest.raises(ValueError, match="GRAPHSERVE_API_KEYS is set but holds no tenant:key entry"):
+            api_keys_from_env(AppConfig())
+    monkeypatch.delenv("GRAPHSERVE_API_KEYS")
+    assert api_keys_from_env(AppConfig()) == {}
 
 
 @pytest.mark.parametrize(
