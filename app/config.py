@@ -437,6 +437,14 @@ class AppConfig(BaseModel):
         except (OSError, ValueError) as e:
             raise ValueError(f"cuda_graph_policy_file {self.cuda_graph_policy_file}: {e}") from e
 
+    def check_lora_modules(self) -> None:
+        """ValueError naming the `lora_modules` that hold no adapter: checked where a replica runs
+        (the directories are the replicas' to see), else /v1/models listed them and every request
+        for one was a 400."""
+        missing = {n: p for n, p in self.lora_modules.items() if not (Path(p) / "adapter_config.json").is_file()}
+        if missing:
+            raise ValueError(f"lora_modules: {missing} hold no adapter_config.json (a PEFT adapter directory)")
+
     def initial_toggles(self) -> dict[str, bool]:
         return {name: t.cuda_graph for name, t in self.tenants.items()}
 

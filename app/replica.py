@@ -20,7 +20,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from jinja2 import TemplateError
 from ray import serve
@@ -221,9 +220,7 @@ class LLMReplica:
         context = serve.get_replica_context()
         self.config = AppConfig.from_args(args).for_app(context.app_name)
         self.configured = self.config  # what the deployment was configured with, before any swap target
-        missing = {n: p for n, p in self.config.lora_modules.items() if not (Path(p) / "adapter_config.json").is_file()}
-        if missing:  # else /v1/models lists them and every request for them is a 400
-            raise ValueError(f"lora_modules: {missing} hold no adapter_config.json (a PEFT adapter directory)")
+        self.config.check_lora_modules()
         self.replica_id = context.replica_id.unique_id
         self.controller = ControllerClient(self.config)
         self.state = "STARTING"  # until the engine exists; then the engine's own state

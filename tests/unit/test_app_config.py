@@ -357,3 +357,13 @@ def test_graph_policy_values_are_taken_only_in_their_own_type_and_range(policy):
 
     with pytest.raises(ValidationError, match=next(iter(policy))):
         GraphPolicy.model_validate(policy)
+
+
+def test_lora_modules_without_an_adapter_are_named(tmp_path):
+    (tmp_path / "sql").mkdir()
+    (tmp_path / "sql" / "adapter_config.json").write_text("{}")
+    config = AppConfig.from_args(
+        {"lora": {"max_loras": 2}, "lora_modules": {"sql": str(tmp_path / "sql"), "x": str(tmp_path / "none")}}
+    )
+    with pytest.raises(ValueError, match=r"lora_modules: \{'x': '.*none'\} hold no adapter_config.json"):
+        config.check_lora_modules()
