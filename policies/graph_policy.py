@@ -104,7 +104,8 @@ class GraphPolicy(BaseModel):
         rows would try to allocate its inputs): ValueError naming them."""
         beyond = [b for b in self.decode_batch_buckets or () if b > max_num_seqs]
         if beyond:
-            raise ValueError(f"decode_batch_buckets: {beyond} above max_num_seqs={max_num_seqs}")
+            shown = f"{beyond[:8]}" if len(beyond) <= 8 else f"{beyond[:8]} and {len(beyond) - 8} more"
+            raise ValueError(f"decode_batch_buckets: {shown} above max_num_seqs={max_num_seqs}")
 
     def buckets(self, max_num_seqs: int) -> tuple[int, ...]:
         """The decode batch sizes to capture for a batch limit of max_num_seqs."""
