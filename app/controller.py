@@ -945,6 +945,9 @@ def controller_handle(config: AppConfig):
         namespace=config.controller_namespace,
         lifetime="detached",
         get_if_exists=True,
+        # never in the placement group of whoever asks first: a TP replica's group captures the
+        # actors it creates, and when that replica died the controller restarted into no group, for good
+        scheduling_strategy="DEFAULT",
         max_restarts=-1,
         max_task_retries=-1,
         num_cpus=0,

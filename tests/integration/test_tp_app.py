@@ -81,3 +81,30 @@ def test_tp2_app_streams_what_one_process_generates(server):
     streamed = asyncio.run(streamed_texts(server))
     assert [tokens for _, tokens in streamed] == [TOKENS] * len(PROMPTS)
     assert [text for text, _ in streamed] == single_process_texts()
+
+
+def test_the_controller_is_never_placed_in_a_replicas_placement_group(server, tmp_path):
+    """Whichever part asks first creates the controller: a TP replica (its placement group captures
+    the actors it creates) put it in its own group, and when that replica died the controller was
+    restarted into a group that no longer existed, for good (/admin and /metrics answered 503)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"CPU": 0.01}])
+    ray.get(group.ready(), timeout=30)
+    args = {"controller_name": f"graphserve-it-pg-{tmp_path.name}", "controller_state_path": str(tmp_path / "s.json")}
+
+    @ray.remote(num_cpus=0.01)
+    def create_controller(args: dict) -> str | None:
+        from app.config import AppConfig
+        from app.controller import controller_handle
+
+        handle = controller_handle(AppConfig.from_args(args))
+        return ray.get(handle.__ray_call__.remote(lambda self: ray.get_runtime_context().get_placement_group_id()))
+
+    inside = PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)
+    try:
+        assert ray.get(create_controller.options(scheduling_strategy=inside).remote(args), timeout=60) is None
+    finally:
+        ray.kill(ray.get_actor(args["controller_name"], namespace="graphserve"))
+        remove_placement_group(group)
