@@ -151,7 +151,6 @@ def test_weights_loaded_after_the_slots_reach_the_layers_gemm(base, tmp_path):
     [
         ({"use_dora": True}, "use_dora"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-        ({"bias": "all"}, "bias"),
         ({"r": 16}, "r"),
         ({"target_modules": ["embed_tokens"]}, "target_modules"),
         ({"peft_type": "IA3"}, "peft_type"),
@@ -231,6 +230,20 @@ def test_a_target_list_for_several_architectures_serves_the_modules_this_model_h
             continue
         with pytest.raises(AdapterError, match=match):
             load_adapter(path, "x", load_config(base), MAX_RANK)
+
+
+def test_bias_all_without_a_trained_bias_serves_and_a_trained_bias_is_refused(base, tmp_path):
+    """bias="all" on layers without biases saves no bias (it computes what bias="none" computes) and
+    was refused for its config field alone; a bias the file does hold is refused naming it."""
+    path = attn_adapter(base, tmp_path / "adapter")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
+    assert load_adapter(path, "x", load_config(base), MAX_RANK).targets == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    weights = load_file(path / "adapter_model.safetensors")
+    bias = {"base_model.model.model.layers.0.self_attn.q_proj.bias": torch.zeros(load_config(base).hidden_size)}
+    save_file({**weights, **bias}, path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"q_proj.bias: a trained bias \(bias='all'\) is not supported"):
+        load_adapter(path, "x", load_config(base), MAX_RANK)
 
 
 def test_a_pickled_adapter_is_refused_with_what_to_do(base, tmp_path):

@@ -123,7 +123,6 @@ def refusal(config: AdapterConfig, max_rank: int) -> str | None:
     """Why this adapter cannot be served, naming the field; None when it can."""
     unsupported = {
         "use_dora": config.use_dora,
-        "bias": config.bias != "none",
         "modules_to_save": bool(config.modules_to_save),
         "fan_in_fan_out": config.fan_in_fan_out,
         "rank_pattern": bool(config.rank_pattern),
@@ -217,6 +216,8 @@ def load_adapter(
         with safe_open(weights_file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
                 m = TENSOR_NAME.match(key)
+                if key.endswith(".bias"):
+                    raise AdapterError(f"tensor {key}: a trained bias (bias={config.bias!r}) is not supported")
                 if m is None or m.group(3) not in TARGETS or PARENTS[m.group(3)] != m.group(2):
                     raise AdapterError(
                         f"tensor {key}: not a LoRA A/B weight of a linear layer (added tokens, "
