@@ -232,11 +232,6 @@ async def _admin_body(request: Request, schema: type[BaseModel], shape: str) -> 
         return JSONResponse({"detail": message, "field": field}, status_code=400)
 
 
-def _client_address(request: Request) -> str:
-    """The caller's address, for the audit log and refused admin calls."""
-    return request.client.host if request.client else "unknown"
-
-
 def _sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -624,20 +619,21 @@ class Ingress:
     # -- admin API ---------------------------------------------------------------------------------
 
     def _admin_denied(self, request: Request) -> JSONResponse | None:
-        """None when the bearer token is an operator's (whose name is then request.state.operator),
-        else the 4xx refusal (logged by auth.authorize_admin, without the token)."""
+        """None when the bearer token is an operator's (whose name is then request.state.operator,
+        and its address request.state.client), else the 4xx refusal (logged by auth.authorize_admin,
+        without the token)."""
         env = f"{self.config.admin_tokens_env} or {self.config.admin_token_env}"
+        client = request.client.host if request.client else "unknown"
         result = auth.authorize_admin(
             request.headers.get("authorization"),
             self.admin_tokens,
             f"set {env} on the Serve processes to enable it",
-            _client_address(request),
+            client,
             request.url.path,
         )
         if isinstance(result, auth.AdminRefusal):
             return JSONResponse({"detail": result.detail}, status_code=result.status)
-        request.state.operator = result
-        request.state.client = _client_address(request)
+        request.state.operator, request.state.client = result, client
         return None
 
     def _unknown_tenant(self, tenant: str) -> JSONResponse | None:
