@@ -362,8 +362,7 @@ class AppConfig(BaseModel):
             raise ValueError("lora_modules needs lora: {max_loras, max_lora_rank} to allocate adapter slots")
         if self.served_name() in self.lora_modules:
             raise ValueError(f"lora_modules: adapter {self.served_name()!r} has the served model's name")
-        if self.max_num_seqs is not None:  # else the device's default, which the config does not name
-            self.cuda_graph_policy.check_fits(self.max_num_seqs)
+        self._check_inline_policy()
         if self.model is not None and not model_name(self.model):
             raise ValueError(f"model {self.model!r} names no checkpoint; null serves the default model")
         if self.kv_page_size > self.max_model_len:
@@ -400,7 +399,7 @@ class AppConfig(BaseModel):
         if self.max_prefill_delay_ms is None:
             update["max_prefill_delay_ms"] = GPU_PREFILL_DELAY_MS if gpu else 0.0
         resolved = self.model_copy(update=update)
-        resolved.cuda_graph_policy.check_fits(resolved.max_num_seqs)  # now that the batch limit is known
+        resolved._check_inline_policy()  # now that the batch limit is known
         return resolved
 
     def served_name(self) -> str:
@@ -429,13 +428,24 @@ class AppConfig(BaseModel):
 
     def graph_policy(self) -> GraphPolicy:
         """The policy in force: `cuda_graph_policy_file`'s (read where the replica runs: on
-        Kubernetes the mounted ConfigMap), else `cuda_graph_policy`; ValueError naming the key."""
+        Kubernetes the mounted ConfigMap), else `cuda_graph_policy`; ValueError naming the key
+        when the file cannot be read or its buckets do not fit `max_num_seqs`."""
         if not self.cuda_graph_policy_file:
-            return self.cuda_graph_policy
+            return self._check_inline_policy()
         try:
-            return load_policy(self.cuda_graph_policy_file)
+            policy = load_policy(self.cuda_graph_policy_file)
+            if self.max_num_seqs is not None:
+                policy.check_fits(self.max_num_seqs)
         except (OSError, ValueError) as e:
             raise ValueError(f"cuda_graph_policy_file {self.cuda_graph_policy_file}: {e}") from e
+        return policy
+
+    def _check_inline_policy(self) -> GraphPolicy:
+        """`cuda_graph_policy`, checked against the batch limit once it is known (the device's
+        default is resolved by `on_device`): a policy file is checked where it is read."""
+        if self.max_num_seqs is not None:
+            self.cuda_graph_policy.check_fits(self.max_num_seqs)
+        return self.cuda_graph_policy
 
     def check_lora_modules(self) -> None:
         """ValueError naming the `lora_modules` that hold no adapter: checked where a replica runs

@@ -69,9 +69,7 @@ NORMALIZER_FOLD = 4  # characters a tokenizer's normalizer may fold into one (NF
 
 
 def engine_config(config: AppConfig) -> EngineConfig:
-    policy = config.graph_policy()
-    if config.max_num_seqs is not None:  # a policy file's buckets are read only here, where it is mounted
-        policy.check_fits(config.max_num_seqs)
+    policy = config.graph_policy()  # a policy file is read here, where it is mounted
     return EngineConfig(
         model=config.model,
         model_revision=config.model_revision,
