@@ -40,6 +40,7 @@ from app.config import AppConfig
 from policies.bucket_choice import best_buckets, graph_memory_mb, ladder_cost
 from policies.model_swap import Swap, SwapPhase, SwapRequest
 from policies.rollout import MIN_INTERVAL_S, CohortSignals, Rollout, RolloutConflict, RolloutPlan, Signals
+from policies.tenant_toggles import reconciled_toggles
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +93,6 @@ PERSISTED = (
     "archived",
 )
 ARCHIVE_KEEP = 20
-
-
-def reconciled_toggles(
-    toggles: dict[str, bool], configured_before: dict[str, bool], configured: dict[str, bool]
-) -> dict[str, bool]:
-    """Tenant toggles under a configuration whose `tenants` may have changed since the state was
-    made: a tenant whose configured value is new or changed takes it (the configuration wins, as
-    for swaps); one whose configured value stayed keeps what it has (an operator's change stays);
-    one the configuration no longer names goes, unless an operator had set it otherwise."""
-    kept = {t: v for t, v in toggles.items() if t not in configured and v != configured_before.get(t, True)}
-    for tenant, value in configured.items():
-        same = tenant in configured_before and configured_before[tenant] == value and tenant in toggles
-        kept[tenant] = toggles[tenant] if same else value
-    return kept
 
 
 class StateWriteError(RuntimeError):
