@@ -43,6 +43,15 @@ def admin_operator(token: str | None, tokens: dict[str, str]) -> str | None:
 
 
 @dataclass(frozen=True)
+class Operator:
+    """Who made an admin call, as the audit log records it: the operator named by the admin token,
+    and the address the call came from."""
+
+    name: str
+    client: str | None = None
+
+
+@dataclass(frozen=True)
 class AdminRefusal:
     """Why an admin call is refused: the HTTP status, the client's message, the reason logged."""
 
@@ -53,7 +62,7 @@ class AdminRefusal:
 
 def authorize_admin(
     authorization: str | None, tokens: dict[str, str], enable_hint: str, client: str, path: str
-) -> str | AdminRefusal:
+) -> Operator | AdminRefusal:
     """The operator an admin call comes from, or its refusal (401 without a bearer token, 403 with a
     wrong one or with the admin API disabled). Refusals are logged with the client's address, the
     path and the reason; never with the token or any part of it."""
@@ -62,7 +71,7 @@ def authorize_admin(
     else:
         operator = admin_operator(bearer(authorization), tokens)
         if operator is not None:
-            return operator
+            return Operator(operator, client)
         if bearer(authorization) is None:
             refusal = AdminRefusal(401, "admin bearer token required", "missing")
         else:

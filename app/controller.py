@@ -36,6 +36,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import ray
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from app.auth import Operator
 from app.config import AppConfig
 from policies.bucket_choice import best_buckets, graph_memory_mb, ladder_cost
 from policies.model_swap import Swap, SwapPhase, SwapRequest
@@ -374,7 +375,7 @@ class GraphController:
             "updated_by": last["actor"] if last else None,
         }
 
-    def set_toggle(self, tenant: str, enabled: bool, actor: str, client: str | None = None) -> dict:
+    def set_toggle(self, tenant: str, enabled: bool, operator: Operator) -> dict:
         """Set a tenant's graph permission: the new state is written first and only then applied; a
         failed write leaves toggles, version and audit as they were and returns {"error": why}. A set
         that changes nothing returns the current state without an audit entry or a version bump: a
@@ -385,8 +386,8 @@ class GraphController:
             return self.tenant(tenant)
         entry = {
             "time": time.time(),
-            "actor": actor,
-            "client": client,
+            "actor": operator.name,
+            "client": operator.client,
             "tenant": tenant,
             "action": "set_cuda_graph",
             "before": before,
@@ -404,18 +405,18 @@ class GraphController:
     def get_lora_adapters(self) -> dict[str, dict]:
         return dict(self.lora_adapters)
 
-    def add_lora_adapter(self, name: str, path: str, actor: str, client: str | None = None) -> dict:
+    def add_lora_adapter(self, name: str, path: str, operator: Operator) -> dict:
         """Register an adapter (the ingress has had a replica load and verify it). Registering a
         name again with the same path changes nothing; with another path it replaces the entry
         (replicas load the new one on its next request)."""
         before = self.lora_adapters.get(name)
         if before is not None and before["path"] == path:
             return {"name": name, **before}
-        entry = {"path": path, "added_by": actor, "added_at": time.time()}
+        entry = {"path": path, "added_by": operator.name, "added_at": time.time()}
         audit = {
             "time": entry["added_at"],
-            "actor": actor,
-            "client": client,
+            "actor": operator.name,
+            "client": operator.client,
             "action": "add_lora_adapter",
             "adapter": name,
             "path": path,
@@ -427,14 +428,14 @@ class GraphController:
             return {"error": f"the adapter was not registered: {e}"}
         return {"name": name, **entry}
 
-    def remove_lora_adapter(self, name: str, actor: str, client: str | None = None) -> dict:
+    def remove_lora_adapter(self, name: str, operator: Operator) -> dict:
         entry = self.lora_adapters.get(name)
         if entry is None:
             return {"error": f"no adapter {name!r} was registered through the admin API", "status": 404}
         audit = {
             "time": time.time(),
-            "actor": actor,
-            "client": client,
+            "actor": operator.name,
+            "client": operator.client,
             "action": "remove_lora_adapter",
             "adapter": name,
             "path": entry["path"],
@@ -480,7 +481,7 @@ class GraphController:
 
     # -- rollout ---------------------------------------------------------------------------------
 
-    def start_rollout(self, plan: dict, actor: str, client: str | None = None) -> dict:
+    def start_rollout(self, plan: dict, operator: Operator) -> dict:
         """Start a rollout of `plan` (validated): {"rollout": ...}, or {"error", "status"}: 400 for an
         invalid plan, 409 while another is running or when the state cannot be written."""
         try:
@@ -494,10 +495,10 @@ class GraphController:
         if self.swap is not None and self.swap.phase == SwapPhase.PROGRESSING:
             return {"error": f"swap {self.swap.id} is in progress; start the rollout after it", "status": 409}
         rollout_id = f"rollout-{self.rollouts_started + 1}"
-        rollout = Rollout.start(parsed, rollout_id, time.time(), self.signals(), actor)
+        rollout = Rollout.start(parsed, rollout_id, time.time(), self.signals(), operator.name)
         try:
             self._commit(
-                self._audit_entries(rollout, rollout.history, client),
+                self._audit_entries(rollout, rollout.history, operator.client),
                 rollout=rollout,
                 rollouts_started=self.rollouts_started + 1,
             )
@@ -526,7 +527,7 @@ class GraphController:
             "history": [t.model_dump(mode="json") for t in r.history],
         }
 
-    def rollout_action(self, action: str, actor: str, client: str | None = None) -> dict:
+    def rollout_action(self, action: str, operator: Operator) -> dict:
         """pause, resume, promote or abort the current rollout: {"rollout": ...} or {"error", "status"}."""
         if self.rollout is None:
             return {"error": "no rollout has been started", "status": 404}
@@ -534,21 +535,21 @@ class GraphController:
         now = time.time()
         try:
             if action == "promote":
-                rollout.promote(now, self.signals(), actor)
+                rollout.promote(now, self.signals(), operator.name)
             else:
                 act = {"pause": rollout.pause, "resume": rollout.resume, "abort": rollout.abort}[action]
-                act(now, actor)
+                act(now, operator.name)
         except RolloutConflict as e:
             return {"error": str(e), "status": 409}
         try:
-            self._commit(self._audit_entries(rollout, self._new_transitions(rollout), client), rollout=rollout)
+            self._commit(self._audit_entries(rollout, self._new_transitions(rollout), operator.client), rollout=rollout)
         except StateWriteError as e:
             return {"error": f"the rollout was not changed: {e}", "status": 409}
         return {"rollout": self.current_rollout()}
 
     # -- model swap --------------------------------------------------------------------------------
 
-    def start_swap(self, kind: str, body: dict, previous: dict, actor: str, client: str | None = None) -> dict:
+    def start_swap(self, kind: str, body: dict, previous: dict, operator: Operator) -> dict:
         """Start a rolling swap: kind "model" (body: a SwapRequest) or "graph_policy" (body: the new
         policy, validated by the caller). {"swap": ...}, or {"error", "status"}: 400 for an invalid
         body, 409 while a swap or a rollout runs, when no replica is READY, or when the state cannot
@@ -583,13 +584,13 @@ class GraphController:
             target,
             {**previous, **(self.serving_model or {})},
             ready + starting,
-            actor,
+            operator.name,
             time.time(),
         )
         entry = {
             "time": swap.started_at,
-            "actor": actor,
-            "client": client,
+            "actor": operator.name,
+            "client": operator.client,
             "action": "swap",
             "swap_id": swap_id,
             "kind": kind,

@@ -619,8 +619,8 @@ class Ingress:
     # -- admin API ---------------------------------------------------------------------------------
 
     def _admin_denied(self, request: Request) -> JSONResponse | None:
-        """None when the bearer token is an operator's (whose name is then request.state.operator,
-        and its address request.state.client), else the 4xx refusal (logged by auth.authorize_admin,
+        """None when the bearer token is an operator's (then request.state.operator, an
+        `auth.Operator`, says whose and from where), else the 4xx refusal (logged by auth.authorize_admin,
         without the token)."""
         env = f"{self.config.admin_tokens_env} or {self.config.admin_token_env}"
         client = request.client.host if request.client else "unknown"
@@ -633,7 +633,7 @@ class Ingress:
         )
         if isinstance(result, auth.AdminRefusal):
             return JSONResponse({"detail": result.detail}, status_code=result.status)
-        request.state.operator, request.state.client = result, client
+        request.state.operator = result
         return None
 
     def _unknown_tenant(self, tenant: str) -> JSONResponse | None:
@@ -660,7 +660,7 @@ class Ingress:
             return JSONResponse({"detail": _validation_message(e, body)[0]}, status_code=400)
         # The audit names the operator whose token this is; no header the caller chooses is trusted.
         result = await self.controller.call(
-            GraphController.set_toggle, tenant, toggle.cuda_graph, request.state.operator, request.state.client
+            GraphController.set_toggle, tenant, toggle.cuda_graph, request.state.operator
         )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=409)
@@ -686,9 +686,7 @@ class Ingress:
         if isinstance(body, JSONResponse):
             return body
         return _rollout_response(
-            await self.controller.call(
-                GraphController.start_rollout, body, request.state.operator, request.state.client
-            ),
+            await self.controller.call(GraphController.start_rollout, body, request.state.operator),
             201,
         )
 
@@ -712,9 +710,7 @@ class Ingress:
                 {"detail": f"unknown rollout action {action!r}; known: {', '.join(ROLLOUT_ACTIONS)}"}, status_code=404
             )
         return _rollout_response(
-            await self.controller.call(
-                GraphController.rollout_action, action, request.state.operator, request.state.client
-            ),
+            await self.controller.call(GraphController.rollout_action, action, request.state.operator),
             200,
         )
 
@@ -728,9 +724,7 @@ class Ingress:
         if isinstance(body, JSONResponse):
             return body
         previous = {"model": self.config.model, "revision": self.config.model_revision}
-        result = await self.controller.call(
-            GraphController.start_swap, "model", body, previous, request.state.operator, request.state.client
-        )
+        result = await self.controller.call(GraphController.start_swap, "model", body, previous, request.state.operator)
         return _swap_response(result)
 
     @api.put("/admin/graph-policy")
@@ -753,7 +747,6 @@ class Ingress:
             policy.model_dump(mode="json"),
             previous,
             request.state.operator,
-            request.state.client,
         )
         return _swap_response(result)
 
@@ -852,7 +845,7 @@ class Ingress:
             retry = RETRY_AFTER if check["status"] == 503 else None
             return JSONResponse({"detail": check["error"]}, status_code=check["status"], headers=retry)
         result = await self.controller.call(
-            GraphController.add_lora_adapter, adapter.name, adapter.path, request.state.operator, request.state.client
+            GraphController.add_lora_adapter, adapter.name, adapter.path, request.state.operator
         )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=409)
@@ -870,9 +863,7 @@ class Ingress:
                 {"detail": f"adapter {name!r} is defined in the config's lora_modules; remove it there"},
                 status_code=409,
             )
-        result = await self.controller.call(
-            GraphController.remove_lora_adapter, name, request.state.operator, request.state.client
-        )
+        result = await self.controller.call(GraphController.remove_lora_adapter, name, request.state.operator)
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])
         self._registered_at = -math.inf

@@ -177,7 +177,7 @@ def test_refused_admin_calls_are_logged_without_the_token(caplog, authorization,
 def test_an_accepted_admin_call_names_its_operator_and_logs_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="app.auth"):
         who = auth.authorize_admin("Bearer " + SECRET, {"other": "bob", SECRET: "alice"}, "", "10.1.2.3", "/admin")
-    assert who == "alice" and not caplog.records
+    assert who == auth.Operator("alice", "10.1.2.3") and not caplog.records
 
 
 def test_min_replicas_zero_is_refused_with_the_reason():

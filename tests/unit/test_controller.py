@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from app import controller as controller_module
+from app.auth import Operator
 from app.controller import GraphController
 
 INITIAL = {"tenant-a": True, "tenant-b": False}
@@ -32,7 +33,7 @@ def test_state_survives_a_restart(tmp_path):
     """What one controller sets, the next one (a restart) reads back, over the config's toggles."""
     path = tmp_path / "state.json"
     first = GraphController(str(path), INITIAL)
-    result = first.set_toggle("tenant-a", False, "alice", "10.0.0.1")
+    result = first.set_toggle("tenant-a", False, Operator("alice", "10.0.0.1"))
     assert result["cuda_graph"] is False and result["updated_by"] == "alice"
     second = GraphController(str(path), INITIAL)
     assert snapshot(second) == snapshot(first)
@@ -93,7 +94,7 @@ def test_a_bad_state_file_is_kept_aside_and_the_config_used(tmp_path, caplog, co
     (record,) = caplog.records
     assert reason in record.getMessage() and aside in record.getMessage()
     # and it works from there: the next write creates a fresh state file
-    assert c.set_toggle("tenant-b", True, "bob")["cuda_graph"] is True
+    assert c.set_toggle("tenant-b", True, Operator("bob"))["cuda_graph"] is True
     # a configuration without tenants: tenant-b stays as bob set it (its configured value was False)
     assert GraphController(str(path), {}).toggles == {"tenant-b": True}
 
@@ -117,14 +118,14 @@ def test_a_failed_write_changes_nothing(tmp_path, monkeypatch):
     and the file on disk are as before, and no temp file is left behind."""
     path = tmp_path / "state.json"
     c = GraphController(str(path), INITIAL)
-    c.set_toggle("tenant-a", False, "alice")
+    c.set_toggle("tenant-a", False, Operator("alice"))
     before, on_disk = snapshot(c), path.read_text()
 
     def full(src, dst):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(controller_module.os, "replace", full)
-    result = c.set_toggle("tenant-a", True, "bob")
+    result = c.set_toggle("tenant-a", True, Operator("bob"))
     assert set(result) == {"error"} and "No space left on device" in result["error"]
     assert snapshot(c) == before
     assert c.get_toggles(before[2]) == (before[2], None)  # replicas see no new version
@@ -132,7 +133,7 @@ def test_a_failed_write_changes_nothing(tmp_path, monkeypatch):
     assert files(tmp_path) == {"state.json"}
 
     monkeypatch.undo()  # the storage is back: the same call now goes through
-    assert c.set_toggle("tenant-a", True, "bob")["cuda_graph"] is True
+    assert c.set_toggle("tenant-a", True, Operator("bob"))["cuda_graph"] is True
     assert c.version == before[2] + 1 and len(c.audit) == 2
 
 
@@ -141,7 +142,7 @@ def test_a_state_directory_that_cannot_exist_changes_nothing(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     c = GraphController(str(blocker / "state.json"), INITIAL)
-    result = c.set_toggle("tenant-a", False, "alice")
+    result = c.set_toggle("tenant-a", False, Operator("alice"))
     assert "error" in result and "not-a-directory" in result["error"]
     assert snapshot(c) == (INITIAL, [], 0)
     assert files(tmp_path) == {"not-a-directory"}
@@ -156,7 +157,7 @@ def test_a_failing_json_dump_leaves_no_temp_file(tmp_path, monkeypatch):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(controller_module.os, "fsync", broken)
-    assert "Input/output error" in c.set_toggle("tenant-a", False, "alice")["error"]
+    assert "Input/output error" in c.set_toggle("tenant-a", False, Operator("alice"))["error"]
     assert snapshot(c) == (INITIAL, [], 0)
     assert files(tmp_path) == set()
 
@@ -167,13 +168,13 @@ def test_a_set_that_changes_nothing_is_not_audited(tmp_path):
     attempt had already been persisted, is not audited twice."""
     path = tmp_path / "state.json"
     c = GraphController(str(path), INITIAL)
-    first = c.set_toggle("tenant-a", False, "alice")
-    assert c.set_toggle("tenant-a", False, "alice") == first
-    assert c.set_toggle("tenant-b", False, "bob")["updated_by"] is None  # off in the config already
+    first = c.set_toggle("tenant-a", False, Operator("alice"))
+    assert c.set_toggle("tenant-a", False, Operator("alice")) == first
+    assert c.set_toggle("tenant-b", False, Operator("bob"))["updated_by"] is None  # off in the config already
     assert c.version == 1 and len(c.audit) == 1
 
     restarted = GraphController(str(path), INITIAL)  # the retry lands on the restarted actor
-    assert restarted.set_toggle("tenant-a", False, "alice") == first
+    assert restarted.set_toggle("tenant-a", False, Operator("alice")) == first
     assert restarted.version == 1 and len(restarted.audit) == 1
     assert json.loads(path.read_text())["version"] == 1
 
@@ -184,7 +185,7 @@ def test_the_audit_log_is_bounded_in_memory_and_on_disk(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
     c = GraphController(str(path), {})
     for i in range(9):
-        c.set_toggle("tenant-a", i % 2 == 1, "alice")
+        c.set_toggle("tenant-a", i % 2 == 1, Operator("alice"))
     assert len(c.audit) == 4 == len(json.loads(path.read_text())["audit"])
     assert [a["after"] for a in c.audit] == [True, False, True, False]  # the last four changes
     assert c.version == 9
@@ -204,17 +205,17 @@ def test_the_state_file_is_replaced_atomically(tmp_path, monkeypatch):
         real_replace(src, dst)
 
     monkeypatch.setattr(controller_module.os, "replace", spy)
-    c.set_toggle("tenant-a", False, "alice")
+    c.set_toggle("tenant-a", False, Operator("alice"))
     assert replaced == [path]
 
 
 def test_lora_adapters_are_persisted_audited_and_a_failed_write_registers_nothing(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
     c = GraphController(str(path), INITIAL)
-    added = c.add_lora_adapter("sql", "/adapters/sql", "alice")
+    added = c.add_lora_adapter("sql", "/adapters/sql", Operator("alice"))
     assert added["name"] == "sql" and added["path"] == "/adapters/sql" and added["added_by"] == "alice"
-    assert c.add_lora_adapter("sql", "/adapters/sql", "bob") == added  # the same again: nothing new
-    assert c.add_lora_adapter("sql", "/adapters/sql-v2", "bob")["path"] == "/adapters/sql-v2"
+    assert c.add_lora_adapter("sql", "/adapters/sql", Operator("bob")) == added  # the same again: nothing new
+    assert c.add_lora_adapter("sql", "/adapters/sql-v2", Operator("bob"))["path"] == "/adapters/sql-v2"
     restarted = GraphController(str(path), INITIAL)
     assert restarted.get_lora_adapters()["sql"]["path"] == "/adapters/sql-v2"
     assert [(a["action"], a["actor"], a.get("replaced_path")) for a in restarted.audit] == [
@@ -227,12 +228,12 @@ def test_lora_adapters_are_persisted_audited_and_a_failed_write_registers_nothin
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(controller_module.os, "replace", full)
-    assert "No space left" in c.add_lora_adapter("chat", "/adapters/chat", "alice")["error"]
-    assert c.remove_lora_adapter("sql", "alice")["status"] == 409
+    assert "No space left" in c.add_lora_adapter("chat", "/adapters/chat", Operator("alice"))["error"]
+    assert c.remove_lora_adapter("sql", Operator("alice"))["status"] == 409
     assert set(c.get_lora_adapters()) == {"sql"}
     monkeypatch.undo()
-    assert c.remove_lora_adapter("sql", "carol") == {"name": "sql", "removed": True}
-    assert c.remove_lora_adapter("sql", "carol")["status"] == 404
+    assert c.remove_lora_adapter("sql", Operator("carol")) == {"name": "sql", "removed": True}
+    assert c.remove_lora_adapter("sql", Operator("carol"))["status"] == 404
     assert GraphController(str(path), INITIAL).get_lora_adapters() == {}
 
 
@@ -286,9 +287,11 @@ async def test_a_call_that_reaches_the_controller_after_its_deadline_is_not_run(
     c = GraphController(str(tmp_path / "state.json"), INITIAL)
     before = snapshot(c)
     with pytest.raises(controller_module.CallExpired, match="set_toggle"):
-        await c.before(time.time() - 0.001, "set_toggle", ("tenant-a", False, "alice"), {})
+        await c.before(time.time() - 0.001, "set_toggle", ("tenant-a", False, Operator("alice")), {})
     assert snapshot(c) == before
-    done = await c.before(time.time() + 5, "set_toggle", ("tenant-a", False, "alice"), {"client": "10.0.0.1"})
+    done = await c.before(
+        time.time() + 5, "set_toggle", ("tenant-a", False), {"operator": Operator("alice", "10.0.0.1")}
+    )
     assert done["cuda_graph"] is False and c.toggles["tenant-a"] is False
     version, permissions = await c.before(time.time() + 5, "get_permissions", (), {})
     assert version == c.version and permissions["toggles"]["tenant-a"] is False
@@ -309,10 +312,12 @@ def test_an_invalid_plan_is_refused_in_our_words_naming_the_field(tmp_path):
     """A rollout plan's 400 began with pydantic's "Value error, " and named no field, unlike the
     admin API's other 400s; each now says what is wrong and, where it is one field, which."""
     c = GraphController(str(tmp_path / "state.json"), {})
-    decreasing = c.start_rollout({"steps": [{"percent": 50, "hold_s": 1}, {"percent": 10}]}, "alice", "10.0.0.1")
+    decreasing = c.start_rollout(
+        {"steps": [{"percent": 50, "hold_s": 1}, {"percent": 10}]}, Operator("alice", "10.0.0.1")
+    )
     assert decreasing["status"] == 400 and not decreasing["field"]
     assert decreasing["error"].startswith("steps: percentages must not decrease")
-    typed = c.start_rollout({"steps": [{"percent": "50"}]}, "alice", "10.0.0.1")
+    typed = c.start_rollout({"steps": [{"percent": "50"}]}, Operator("alice", "10.0.0.1"))
     assert (typed["status"], typed["field"]) == (400, "steps.0.percent")
     assert "Value error" not in decreasing["error"] + typed["error"]
     assert c.audit_log(10) == []
@@ -322,10 +327,10 @@ def test_every_operators_change_is_audited_with_the_client_address(tmp_path):
     """Only tenant toggles carried the caller's address; rollouts, their actions, swaps and adapter
     changes had `client: None`. The decision loop's own transitions have none."""
     c = GraphController(str(tmp_path / "state.json"), {})
-    c.start_rollout({"steps": [{"percent": 10, "hold_s": 60}, {"percent": 100}]}, "alice", "10.0.0.1")
-    c.rollout_action("abort", "bob", "10.0.0.2")
-    c.add_lora_adapter("sql", "/adapters/sql", "carol", "10.0.0.3")
-    c.remove_lora_adapter("sql", "carol", "10.0.0.3")
+    c.start_rollout({"steps": [{"percent": 10, "hold_s": 60}, {"percent": 100}]}, Operator("alice", "10.0.0.1"))
+    c.rollout_action("abort", Operator("bob", "10.0.0.2"))
+    c.add_lora_adapter("sql", "/adapters/sql", Operator("carol", "10.0.0.3"))
+    c.remove_lora_adapter("sql", Operator("carol", "10.0.0.3"))
     assert [(e["actor"], e["client"]) for e in c.audit_log(10)] == [
         ("alice", "10.0.0.1"),
         ("alice", "10.0.0.1"),
@@ -342,8 +347,8 @@ def test_a_changed_tenants_config_wins_and_an_operators_change_stays(tmp_path):
     operator's change, and a dropped tenant goes unless an operator set it."""
     path = str(tmp_path / "state.json")
     first = GraphController(path, {"a": True, "b": True, "c": True, "gone": True, "kept": True})
-    first.set_toggle("b", False, "alice", "10.0.0.1")  # an operator's change, configured value untouched
-    first.set_toggle("kept", False, "alice", "10.0.0.1")
+    first.set_toggle("b", False, Operator("alice", "10.0.0.1"))  # an operator's change, configured value untouched
+    first.set_toggle("kept", False, Operator("alice", "10.0.0.1"))
     second = GraphController(path, {"a": False, "b": True, "c": True, "new": False})
     assert second.toggles == {"a": False, "b": False, "c": True, "new": False, "kept": False}
     changes = [

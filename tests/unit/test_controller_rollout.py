@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from app.auth import Operator
 from app.controller import GraphController, signals_from_statuses
 
 INITIAL = {"tenant-a": True, "tenant-b": True}
@@ -56,28 +57,28 @@ def test_signals_sum_the_replicas_reports():
 
 def test_plans_are_validated_and_one_rollout_runs_at_a_time(tmp_path):
     c = make(tmp_path)
-    bad = c.start_rollout({**PLAN, "steps": [{"percent": 50, "hold_s": 1}, {"percent": 10}]}, "alice")
+    bad = c.start_rollout({**PLAN, "steps": [{"percent": 50, "hold_s": 1}, {"percent": 10}]}, Operator("alice"))
     assert bad["status"] == 400 and "steps" in bad["error"] and c.rollout is None
-    assert c.start_rollout({**PLAN, "unit": "gpu"}, "alice")["status"] == 400
-    busy = c.start_rollout({**PLAN, "guards": {**GUARDS, "interval_s": 1e-9}}, "alice")
+    assert c.start_rollout({**PLAN, "unit": "gpu"}, Operator("alice"))["status"] == 400
+    busy = c.start_rollout({**PLAN, "guards": {**GUARDS, "interval_s": 1e-9}}, Operator("alice"))
     assert busy["status"] == 400 and "interval_s" in busy["error"]
-    loose = c.start_rollout({**PLAN, "steps": [{"percent": "50", "hold_s": 1}, {"percent": 100}]}, "alice")
+    loose = c.start_rollout({**PLAN, "steps": [{"percent": "50", "hold_s": 1}, {"percent": 100}]}, Operator("alice"))
     assert loose["status"] == 400 and "percent" in loose["error"]
     assert c.decide_every_s() == 1.0
-    first = c.start_rollout(PLAN, "alice")["rollout"]
+    first = c.start_rollout(PLAN, Operator("alice"))["rollout"]
     assert (first["id"], first["phase"], first["percent"]) == ("rollout-1", "Progressing", 10)
-    again = c.start_rollout(PLAN, "bob")
+    again = c.start_rollout(PLAN, Operator("bob"))
     assert again["status"] == 409 and "rollout-1" in again["error"]
     assert c.decide_every_s() == GUARDS["interval_s"]
-    assert c.rollout_action("abort", "bob")["rollout"]["phase"] == "Aborted"
+    assert c.rollout_action("abort", Operator("bob"))["rollout"]["phase"] == "Aborted"
     assert c.decide_every_s() == 1.0  # a finished rollout's interval no longer paces the loop
-    assert c.start_rollout(PLAN, "bob")["rollout"]["id"] == "rollout-2"  # a finished one can be replaced
+    assert c.start_rollout(PLAN, Operator("bob"))["rollout"]["id"] == "rollout-2"  # a finished one can be replaced
 
 
 def test_reports_drive_the_stages_and_a_mismatch_rolls_back(tmp_path):
     c = make(tmp_path)
     c.report("r1", replica_status(1))
-    c.start_rollout(PLAN, "alice")
+    c.start_rollout(PLAN, Operator("alice"))
     version = c.version
     c.report("r1", replica_status(2))
     c.evaluate_rollout(now=time.time())
@@ -99,7 +100,7 @@ def test_only_a_new_mismatch_is_acted_on_at_arrival(tmp_path):
     failed evaluations, and evaluating at every report would spend failure_limit in a moment."""
     c = make(tmp_path)
     c.report("r1", replica_status(1, graph_step_s=0.02, mismatches=1))  # an old mismatch, before the rollout
-    c.start_rollout(PLAN, "alice")
+    c.start_rollout(PLAN, Operator("alice"))
     for n in (2, 3, 4):
         c.report("r1", replica_status(n, graph_step_s=0.02, mismatches=1))
     assert c.rollout.phase.value == "Progressing" and c.rollout.guard_failures == {}
@@ -107,7 +108,7 @@ def test_only_a_new_mismatch_is_acted_on_at_arrival(tmp_path):
 
 def test_a_slow_graph_cohort_rolls_back_after_the_failure_limit(tmp_path):
     c = make(tmp_path)
-    c.start_rollout(PLAN, "alice")
+    c.start_rollout(PLAN, Operator("alice"))
     for n in (1, 2):
         c.report("r1", replica_status(n, graph_step_s=0.02))
         c.evaluate_rollout(now=time.time())
@@ -119,14 +120,14 @@ def test_a_slow_graph_cohort_rolls_back_after_the_failure_limit(tmp_path):
 
 def test_operator_actions_are_audited_by_name_and_conflicts_refused(tmp_path):
     c = make(tmp_path)
-    assert c.rollout_action("pause", "alice")["status"] == 404
-    c.start_rollout(PLAN, "alice")
-    assert c.rollout_action("pause", "bob")["rollout"]["phase"] == "Paused"
-    refused = c.rollout_action("pause", "bob")
+    assert c.rollout_action("pause", Operator("alice"))["status"] == 404
+    c.start_rollout(PLAN, Operator("alice"))
+    assert c.rollout_action("pause", Operator("bob"))["rollout"]["phase"] == "Paused"
+    refused = c.rollout_action("pause", Operator("bob"))
     assert refused["status"] == 409 and "Paused" in refused["error"]
-    assert c.rollout_action("resume", "carol")["rollout"]["phase"] == "Progressing"
-    assert c.rollout_action("promote", "dave")["rollout"]["percent"] == 50
-    assert c.rollout_action("abort", "erin")["rollout"]["percent"] == 0
+    assert c.rollout_action("resume", Operator("carol"))["rollout"]["phase"] == "Progressing"
+    assert c.rollout_action("promote", Operator("dave"))["rollout"]["percent"] == 50
+    assert c.rollout_action("abort", Operator("erin"))["rollout"]["percent"] == 0
     assert [(a["actor"], a["reason"]) for a in c.audit][-4:] == [
         ("bob", "paused"),
         ("carol", "resumed"),
@@ -137,8 +138,8 @@ def test_operator_actions_are_audited_by_name_and_conflicts_refused(tmp_path):
 
 def test_the_rollout_survives_a_controller_restart(tmp_path):
     first = make(tmp_path)
-    first.set_toggle("tenant-b", False, "alice")
-    first.start_rollout(PLAN, "alice")
+    first.set_toggle("tenant-b", False, Operator("alice"))
+    first.start_rollout(PLAN, Operator("alice"))
     first.report("r1", replica_status(1))
     first.evaluate_rollout(now=time.time())
     second = make(tmp_path)
@@ -151,8 +152,8 @@ def test_a_state_file_with_a_shorter_interval_than_allowed_now_still_loads(tmp_p
     """An older version took any interval_s > 0: its state (toggles, the rollout) loads, and the
     decision loop runs no faster than MIN_INTERVAL_S."""
     first = make(tmp_path)
-    first.set_toggle("tenant-b", False, "alice")
-    first.start_rollout(PLAN, "alice")
+    first.set_toggle("tenant-b", False, Operator("alice"))
+    first.start_rollout(PLAN, Operator("alice"))
     state = json.loads((tmp_path / "state.json").read_text())
     state["rollout"]["plan"]["guards"]["interval_s"] = 1e-9
     (tmp_path / "state.json").write_text(json.dumps(state))
@@ -164,7 +165,7 @@ def test_a_state_file_with_a_shorter_interval_than_allowed_now_still_loads(tmp_p
 def test_a_start_that_cannot_be_written_changes_nothing(tmp_path):
     c = make(tmp_path)
     (tmp_path / "state.json").mkdir()  # the state file's path is a directory: every write fails
-    result = c.start_rollout(PLAN, "alice")
+    result = c.start_rollout(PLAN, Operator("alice"))
     assert result["status"] == 409 and "not started" in result["error"]
     assert c.rollout is None and c.audit == [] and c.version == 0
 
@@ -175,7 +176,7 @@ def test_the_decision_loop_runs_on_its_own(tmp_path):
         c.report("r1", replica_status(1))
         version, permissions = await c.get_permissions()
         assert permissions == {"toggles": INITIAL, "rollout": None, "swap": None, "serving_model": None}
-        c.start_rollout(PLAN, "alice")
+        c.start_rollout(PLAN, Operator("alice"))
         assert (await c.get_permissions(version))[1]["rollout"] == {"unit": "request", "percent": 10.0, "salt": ""}
         c.report("r1", replica_status(2))
         deadline = time.monotonic() + 5
@@ -195,10 +196,10 @@ def test_a_rollout_started_while_the_loop_waits_out_a_long_interval_is_evaluated
         c = make(tmp_path)
         c.report("r1", replica_status(1))
         await c.get_permissions()  # starts the loop
-        c.start_rollout({**PLAN, "guards": {**GUARDS, "interval_s": 600}}, "alice")
+        c.start_rollout({**PLAN, "guards": {**GUARDS, "interval_s": 600}}, Operator("alice"))
         await asyncio.sleep(0.2)  # the loop is asleep under the long interval now
-        c.rollout_action("abort", "alice")
-        c.start_rollout(PLAN, "alice")
+        c.rollout_action("abort", Operator("alice"))
+        c.start_rollout(PLAN, Operator("alice"))
         c.report("r1", replica_status(2))
         deadline = time.monotonic() + 5
         while c.rollout.step == 0:
@@ -217,5 +218,5 @@ def test_a_plan_is_bounded_in_what_it_may_ask(tmp_path):
         ({**PLAN, "steps": [{"percent": 10, "hold_s": 1}] * 101 + [{"percent": 100}]}, "steps"),
         ({**PLAN, "salt": "s" * 257}, "salt"),
     ):
-        refused = c.start_rollout(plan, "alice")
+        refused = c.start_rollout(plan, Operator("alice"))
         assert refused["status"] == 400 and field in refused["error"] and c.rollout is None

@@ -7,6 +7,7 @@ from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.auth import Operator
 from app.controller import GraphController
 from app.metrics import CarriedCounters, render
 from workers.serving.stats import EngineStats
@@ -29,7 +30,9 @@ def test_shadow_verifications_and_rollout_series(tmp_path):
         },
     }
     c = GraphController(str(tmp_path / "state.json"), {})
-    c.start_rollout({"steps": [{"percent": 5, "hold_s": 60}, {"percent": 100}], "guards": {"failure_limit": 1}}, "a")
+    c.start_rollout(
+        {"steps": [{"percent": 5, "hold_s": 60}, {"percent": 100}], "guards": {"failure_limit": 1}}, Operator("a")
+    )
     c.rollout.guard_failures["tpot"] = 2
     got = families(render({"r1": status}, c.current_rollout()))
     shadow = {

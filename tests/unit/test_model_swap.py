@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from app.auth import Operator
 from app.controller import GraphController
 from policies.model_swap import Swap, SwapPhase, SwapRequest
 
@@ -82,7 +83,7 @@ def test_a_replica_that_never_finishes_times_the_swap_out():
 def test_bad_requests_are_refused_naming_the_field(tmp_path, body):
     c = GraphController(str(tmp_path / "state.json"), {})
     c.report("r1", {"state": "READY"})
-    result = c.start_swap("model", body, PREVIOUS, "alice")
+    result = c.start_swap("model", body, PREVIOUS, Operator("alice"))
     assert result["status"] == 400 and c.swap is None
 
 
@@ -93,13 +94,13 @@ def replica_report(swap_id: str, step: str) -> dict:
 def test_the_controller_runs_a_swap_from_reports_and_persists_it(tmp_path):
     path = str(tmp_path / "state.json")
     c = GraphController(path, {})
-    assert c.start_swap("model", {"model": "/ckpt/v2"}, PREVIOUS, "alice")["status"] == 409  # nobody READY
+    assert c.start_swap("model", {"model": "/ckpt/v2"}, PREVIOUS, Operator("alice"))["status"] == 409  # nobody READY
     for r in ("r1", "r2"):
         c.report(r, {"state": "READY"})
-    swap = c.start_swap("model", {"model": "/ckpt/v2", "revision": "v2"}, PREVIOUS, "alice")["swap"]
+    swap = c.start_swap("model", {"model": "/ckpt/v2", "revision": "v2"}, PREVIOUS, Operator("alice"))["swap"]
     assert swap["id"] == "swap-1" and swap["order"] == ["r1", "r2"]
-    assert c.start_swap("model", {"model": "/ckpt/v3"}, PREVIOUS, "bob")["status"] == 409
-    assert c.start_rollout({"steps": [{"percent": 100}]}, "bob")["status"] == 409
+    assert c.start_swap("model", {"model": "/ckpt/v3"}, PREVIOUS, Operator("bob"))["status"] == 409
+    assert c.start_rollout({"steps": [{"percent": 100}]}, Operator("bob"))["status"] == 409
     version = c.version
     c.report("r1", replica_report("swap-1", "draining"))
     c.report("r1", replica_report("swap-1", "serving"))
@@ -118,9 +119,9 @@ def test_the_controller_runs_a_swap_from_reports_and_persists_it(tmp_path):
 def test_a_graph_policy_swap_keeps_the_model(tmp_path):
     c = GraphController(str(tmp_path / "state.json"), {})
     c.report("r1", {"state": "READY"})
-    c.start_swap("model", {"model": "/ckpt/v2", "revision": "v2"}, PREVIOUS, "alice")
+    c.start_swap("model", {"model": "/ckpt/v2", "revision": "v2"}, PREVIOUS, Operator("alice"))
     c.report("r1", replica_report("swap-1", "serving"))
-    c.start_swap("graph_policy", {"decode_batch_buckets": [1, 3]}, {"graph_policy": {}}, "alice")
+    c.start_swap("graph_policy", {"decode_batch_buckets": [1, 3]}, {"graph_policy": {}}, Operator("alice"))
     c.report("r1", replica_report("swap-2", "serving"))
     assert c.serving_model == {"model": "/ckpt/v2", "revision": "v2", "graph_policy": {"decode_batch_buckets": [1, 3]}}
 
@@ -128,7 +129,7 @@ def test_a_graph_policy_swap_keeps_the_model(tmp_path):
 def test_a_silent_replica_fails_the_swap_in_the_decision_loop(tmp_path):
     c = GraphController(str(tmp_path / "state.json"), {})
     c.report("r1", {"state": "READY"})
-    c.start_swap("model", {"model": "/ckpt/v2", "replica_timeout_s": 5}, PREVIOUS, "alice")
+    c.start_swap("model", {"model": "/ckpt/v2", "replica_timeout_s": 5}, PREVIOUS, Operator("alice"))
     c.check_swap(now=time.time() + 1)
     assert c.swap.phase == SwapPhase.PROGRESSING
     c.check_swap(now=time.time() + 10)
@@ -142,7 +143,7 @@ def test_decisions_the_controller_makes_itself_do_not_wait_for_a_disk(tmp_path, 
 
     c = GraphController(str(tmp_path / "state.json"), {})
     c.report("r1", {"state": "READY"})
-    c.start_swap("model", {"model": "/ckpt/v2"}, PREVIOUS, "alice")
+    c.start_swap("model", {"model": "/ckpt/v2"}, PREVIOUS, Operator("alice"))
 
     def unwritable(path, state):
         raise OSError(28, "No space left on device")
@@ -152,4 +153,6 @@ def test_decisions_the_controller_makes_itself_do_not_wait_for_a_disk(tmp_path, 
     c.report("r1", replica_report("swap-1", "serving"))
     assert c.swap.phase == SwapPhase.SUCCEEDED and c.serving_model["model"] == "/ckpt/v2"
     assert c.version == version + 1 and c.audit[-1]["phase"] == "Succeeded"
-    assert c.start_rollout({"steps": [{"percent": 50, "hold_s": 60}, {"percent": 100}]}, "bob")["status"] == 409
+    assert (
+        c.start_rollout({"steps": [{"percent": 50, "hold_s": 60}, {"percent": 100}]}, Operator("bob"))["status"] == 409
+    )

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 
+from app.auth import Operator
 from app.config import AppConfig
 from app.controller import GraphController
 from policies.model_swap import SwapPhase
@@ -20,9 +21,9 @@ FRESH = AppConfig(model="/ckpts/fresh").made_for()
 def swapped_to_b(path: str) -> GraphController:
     """A controller of deployment A whose swap to /ckpts/b succeeded, with a tenant toggled off."""
     c = GraphController(path, {}, A)
-    c.set_toggle("tenant-a", False, "alice")
+    c.set_toggle("tenant-a", False, Operator("alice"))
     c.report("r1", {"state": "READY"})
-    c.start_swap("model", {"model": "/ckpts/b", "revision": "b"}, {"model": "/ckpts/a"}, "alice")
+    c.start_swap("model", {"model": "/ckpts/b", "revision": "b"}, {"model": "/ckpts/a"}, Operator("alice"))
     c.report("r1", {"state": "READY", "swap": {"id": "swap-1", "step": "serving", "path": "in_place"}})
     assert c.swap.phase == SwapPhase.SUCCEEDED
     return c
@@ -86,7 +87,7 @@ def test_a_state_file_that_does_not_say_what_it_was_made_for_is_not_trusted(tmp_
 def test_adapters_registered_for_another_model_are_archived_with_it(tmp_path):
     path = str(tmp_path / "state.json")
     c = GraphController(path, {}, A)
-    c.add_lora_adapter("sql", "/adapters/sql-for-a", "alice")
+    c.add_lora_adapter("sql", "/adapters/sql-for-a", Operator("alice"))
     assert GraphController(path, {}, A).lora_adapters.keys() == {"sql"}
     fresh = GraphController(path, {}, FRESH)
     assert fresh.lora_adapters == {} and fresh.archived[0]["lora_adapters"]["sql"]["path"] == "/adapters/sql-for-a"
@@ -109,7 +110,7 @@ def test_a_replica_starting_during_a_swap_joins_it_and_the_swap_waits_for_it(tmp
     c = GraphController(str(tmp_path / "state.json"), {}, A)
     for r in ("r1", "r2"):
         c.report(r, {"state": "READY"})
-    c.start_swap("model", {"model": "/ckpts/b"}, {"model": "/ckpts/a"}, "alice")
+    c.start_swap("model", {"model": "/ckpts/b"}, {"model": "/ckpts/a"}, Operator("alice"))
     assert c.adopt(A, "replica r3", "r3") is None  # it loads the previous model ...
     assert c.swap.order == ["r1", "r2", "r3"]  # ... and swaps in its turn
     for r in ("r1", "r2"):
@@ -126,7 +127,7 @@ def test_replicas_still_starting_when_a_swap_begins_are_in_its_order(tmp_path):
     c.report("r1", {"state": "READY"})
     c.report("r2", {"state": "STARTING"})
     c.report("r3", {"state": "FAILED"})
-    swap = c.start_swap("model", {"model": "/ckpts/b"}, {"model": "/ckpts/a"}, "alice")["swap"]
+    swap = c.start_swap("model", {"model": "/ckpts/b"}, {"model": "/ckpts/a"}, Operator("alice"))["swap"]
     assert swap["order"] == ["r1", "r2"]
 
 
@@ -134,7 +135,7 @@ def test_a_replica_gone_before_its_turn_leaves_the_swap(tmp_path):
     c = GraphController(str(tmp_path / "state.json"), {}, A)
     for r in ("r1", "r2"):
         c.report(r, {"state": "READY"})
-    c.start_swap("model", {"model": "/ckpts/b"}, {"model": "/ckpts/a"}, "alice")
+    c.start_swap("model", {"model": "/ckpts/b"}, {"model": "/ckpts/a"}, Operator("alice"))
     c.report("r1", {"state": "READY", "swap": {"id": "swap-1", "step": "serving"}})
     c.replicas["r2"]["reported_at"] -= 60  # r2 died while waiting
     c.check_swap(now=time.time())
