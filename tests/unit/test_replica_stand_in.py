@@ -5,10 +5,11 @@ it ended with, however early its caller lets go of it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 from app.config import AppConfig
-from app.metrics import RequestMetrics
+from app.metrics import CarriedCounters, RequestMetrics
 from app.replica import LLMReplica
 from workers.front.async_engine import EngineDeadError
 from workers.modeling.synthetic import build_byte_tokenizer
@@ -109,3 +110,35 @@ def test_an_adapter_check_during_a_swap_is_a_503_saying_so():
     replica = SimpleNamespace(engine=PipeClosedDuringSwap(), draining=True, replica_id="r1")
     answer = asyncio.run(LLMReplica.check_adapter(replica, "sql", "/adapters/sql"))
     assert answer == {"error": "replica r1 is swapping its model; retry", "status": 503}
+
+
+def test_the_replicas_status_carries_engine_counters_across_an_engine_restart():
+    """The replica's status (what the controller renders into /metrics) goes through its
+    CarriedCounters: an engine restarted in place starts its busy seconds and preemptions from zero,
+    and the replica's series keep counting from what they had."""
+    replica = SimpleNamespace(
+        replica_id="r1",
+        state="READY",
+        metrics=RequestMetrics(),
+        engine=SimpleNamespace(restarts=0),
+        start_s=1.0,
+        start_parts={},
+        draining=False,
+        swap_progress=None,
+        config=AppConfig.from_args({}),
+        model_fallback=None,
+        counters=CarriedCounters(),
+    )
+
+    def reported(busy_s: float, preemptions: int) -> dict:
+        kv = dataclasses.replace(KV, preemptions=preemptions)
+        replica.engine_status = EngineStatus(
+            "READY", 256, "rev", "sdpa", {}, 0.0, {"busy_s": {"decode": busy_s}}, {}, kv
+        )
+        return LLMReplica.status(replica)
+
+    first = reported(5.0, 3)
+    assert (first["stats"]["busy_s"]["decode"], first["kv_cache"]["preemptions"]) == (5.0, 3)
+    replica.engine.restarts = 1
+    after = reported(0.5, 0)
+    assert (after["stats"]["busy_s"]["decode"], after["kv_cache"]["preemptions"]) == (5.5, 3)
