@@ -520,3 +520,66 @@ def test_each_tokens_bytes_join_into_the_text(other_kinds, tokenizer, kind):
     ids = enc(tok, text)
     joined = b"".join(token_bytes(tok)(t) for t in ids)
     assert joined.decode() == (" " + text if kind == "sentencepiece" else text)  # its first word's `▁`
+
+
+def byte_tokens(tok, *values: int) -> list[int]:
+    return tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in values])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_byte_fallback_text_does_not_depend_on_how_reads_split_the_tokens(other_kinds, seed):
+    """Llama 2's ByteFallback decoder turns a byte run holding invalid UTF-8 into one U+FFFD per
+    byte, the run's valid characters included: "O", "K", a lone lead byte, " the" streamed as
+    "OK\ufffd the" a token per read and as "\ufffd\ufffd\ufffd the" in one read, so a stop string
+    could be hit under one load and missed under another. Each run now decodes as UTF-8 with
+    the standard replacement, whatever the reads (stop strings included)."""
+    tok = other_kinds["sentencepiece"]
+    rng = random.Random(seed)
+    words = enc(tok, "The capital of France is Paris.")
+    output = []
+    for _ in range(40):
+        kind = rng.random()
+        if kind < 0.4:
+            output.append(rng.choice(words))
+        else:  # a byte: a valid character's, or a stray or cut one
+            char = rng.choice(["O", "é", "€", "😀"]).encode()
+            output += byte_tokens(tok, *(char if kind < 0.8 else char[: rng.randint(1, max(1, len(char) - 1))]))
+    prompt = enc(tok, "I like 😀")  # ends in byte tokens: the prompt's bytes must not join the output's
+    raw = b"".join(b for t in output for b in [token_bytes_of(tok, t)])
+    expected = raw.decode(errors="replace")
+    for stop in ((), ("\ufffd t",), ("K\ufffd",)):
+        results = set()
+        for reads in ([1] * len(output), [len(output)], [rng.randint(1, 5) for _ in output]):
+            detok, text, i = IncrementalDetokenizer(tok, stop, prompt), "", 0
+            for n in reads:
+                if i >= len(output):
+                    break
+                counted, piece, hit = detok.add_tokens(output[i : i + n])
+                text, i = text + piece, i + counted
+                if hit:
+                    break
+            else:
+                text += detok.flush()[0]
+            results.add((text, i))
+        assert len(results) == 1, (stop, results)
+        if not stop:
+            assert results == {(expected, len(output))}
+
+
+def token_bytes_of(tok, token_id: int) -> bytes:
+    from workers.modeling.token_bytes import token_bytes
+
+    return token_bytes(tok)(token_id)
+
+
+def test_a_prompt_that_ends_in_a_real_replacement_character_keeps_its_decode_context(other_kinds):
+    """A prompt whose text ends in U+FFFD (a character, not a cut one) lost its decode window:
+    the completion's first word lost its space ("Hello \ufffd" + "the capital")."""
+    tok = other_kinds["sentencepiece"]
+    output = enc(tok, "the capital")  # `▁the`, `▁capital`
+    for prompt_text in ("Hello ?", "Hello \ufffd"):
+        detok = IncrementalDetokenizer(tok, prompt_ids=enc(tok, prompt_text))
+        assert detok.add_tokens(output)[1] + detok.flush()[0] == " the capital", prompt_text
+    cut = enc(tok, "Hello ") + byte_tokens(tok, 0xE2, 0x82)  # a prompt cut inside "€": the window starts after it
+    detok = IncrementalDetokenizer(tok, prompt_ids=cut)
+    assert detok.add_tokens(byte_tokens(tok, 0xAC) + output)[1] + detok.flush()[0] == "\ufffd the capital"

@@ -32,17 +32,18 @@ def byte_level_chars() -> list[str]:
     return chars
 
 
-def _decoder_kinds(spec: dict | None) -> set[str]:
+def decoder_kinds(spec: dict | None) -> set[str]:
+    """The types of a tokenizer decoder's steps (a Sequence's included)."""
     if not spec:
         return set()
-    return {spec.get("type"), *(k for d in spec.get("decoders") or () for k in _decoder_kinds(d))}
+    return {spec.get("type"), *(k for d in spec.get("decoders") or () for k in decoder_kinds(d))}
 
 
 @functools.lru_cache(maxsize=4)  # the tokenizers served lately (a swap brings another)
 def token_bytes(tokenizer) -> Callable[[int], bytes]:
     """The tokenizer's token id -> the bytes that token stands for (memoized per id)."""
     backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
-    kinds = _decoder_kinds(json.loads(backend.decoder.__getstate__())) if backend and backend.decoder else set()
+    kinds = decoder_kinds(json.loads(backend.decoder.__getstate__())) if backend and backend.decoder else set()
     added = {i: t.content for i, t in (backend.get_added_tokens_decoder().items() if backend else ())}
 
     def alone(token_id: int) -> bytes:

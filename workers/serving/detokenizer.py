@@ -17,6 +17,13 @@ t" to "don't") rewrites text across token boundaries, which no stream can take b
 sent it. Byte-level and SentencePiece tokenizers clean up nothing anyway (transformers ignores the
 flag for BPE); WordPiece, Unigram and WordLevel ones decode here as if the flag were off.
 
+A ByteFallback decoder (Llama-2 and Mistral tokenizers: a byte with no token of its own is written
+`<0xNN>`) turns a run of byte tokens that holds any invalid UTF-8 into one U+FFFD per byte, valid
+characters of the run included, so a window's text would depend on where the window starts and ends
+(how many tokens a read holds, the prompt's last bytes). Here each run decodes as UTF-8 with the
+standard replacement, one U+FFFD per invalid sequence (`_standard_byte_runs`): the same text
+whatever the reads.
+
 A stream continued on another replica (failover) goes on from `state()`: with the same prompt and
 token ids, `restore` gives a detokenizer that hands out exactly what the original would have handed
 out next.
@@ -29,10 +36,13 @@ character makes the token it ends at matter, and only then goes token by token.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+from workers.modeling.token_bytes import BYTE_TOKEN, decoder_kinds, token_bytes
 
 MAX_SPLIT_TOKENS = 3  # tokens past the last whole character: a UTF-8 character has at most 4 bytes
 PROMPT_CONTEXT_TOKENS = 5  # of the prompt, where the decode window starts
@@ -89,8 +99,68 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     around each call (`bench/stop_strings.py`)."""
     if not getattr(tokenizer, "is_fast", False):
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    decode = _without_cleanup(tokenizer.backend_tokenizer).decode
-    return lambda ids: decode(ids, skip_special_tokens=True)
+    backend = tokenizer.backend_tokenizer
+    decode = _without_cleanup(backend).decode
+    byte_of = _byte_fallback_tokens(backend)
+    if not byte_of:
+        return lambda ids: decode(ids, skip_special_tokens=True)
+    id_of = {b: i for i, b in byte_of.items()}
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    return lambda ids: decode(
+        ids if byte_of.keys().isdisjoint(ids) else _standard_byte_runs(ids, byte_of, id_of, special),
+        skip_special_tokens=True,
+    )
+
+
+def _byte_fallback_tokens(backend) -> dict[int, int]:
+    """{token id: byte} of the `<0xNN>` tokens when the decoder has a ByteFallback step and every
+    byte has its token (else {}: the tokenizer's own decode stands)."""
+    spec = json.loads(backend.decoder.__getstate__()) if backend.decoder else None
+    if "ByteFallback" not in decoder_kinds(spec):
+        return {}
+    found = {}
+    for piece, token_id in backend.get_vocab().items():
+        byte = BYTE_TOKEN.fullmatch(piece)
+        if byte:
+            found[token_id] = int(byte.group(1), 16)
+    return found if len(set(found.values())) == 256 else {}
+
+
+def _standard_byte_runs(ids: list[int], byte_of: dict[int, int], id_of: dict[int, int], special: set[int]) -> list[int]:
+    """`ids` with every run of byte tokens that is not valid UTF-8 rewritten as the byte tokens of
+    its standard decoding (each invalid sequence one U+FFFD, valid characters kept). Special
+    tokens, which the decode skips, neither end a run nor stay."""
+    out: list[int] = []
+    run: list[int] = []
+
+    def close() -> None:
+        raw = bytes(run)
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            raw = raw.decode(errors="replace").encode()
+        out.extend(id_of[b] for b in raw)
+        run.clear()
+
+    for token_id in ids:
+        if token_id in byte_of:
+            run.append(byte_of[token_id])
+        elif token_id not in special:
+            if run:
+                close()
+            out.append(token_id)
+    if run:
+        close()
+    return out
+
+
+def _ends_inside_character(tokenizer, ids: Sequence[int]) -> bool:
+    """Whether the bytes of `ids` end in an incomplete UTF-8 character (a prompt that ends in a
+    real U+FFFD does not)."""
+    tail = b"".join(token_bytes(tokenizer)(i) for i in ids[-MAX_SPLIT_TOKENS - 1 :])
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(tail)
+    return bool(decoder.getstate()[0])
 
 
 def _without_cleanup(backend):
@@ -128,7 +198,7 @@ class IncrementalDetokenizer:
         self._decode = text_decoder(tokenizer)
         self.stop = stop
         context = list(prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS) :])
-        if context and self._decode(context).endswith("\ufffd"):  # token ids that end inside a character
+        if context and self._decode(context).endswith("\ufffd") and _ends_inside_character(tokenizer, context):
             context = []
         self.ids: list[int] = context  # then the output's
         self.stopped = False  # a stop string was hit: nothing more is ever handed out
