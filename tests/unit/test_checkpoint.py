@@ -176,6 +176,46 @@ def test_missing_tokenizer_names_files_looked_for(tmp_path):
         assert name in msg
 
 
+def test_a_checkpoint_with_only_a_sentencepiece_model_is_served(tmp_path):
+    """Older Llama 2 and Mistral fine-tunes ship `tokenizer.model` without `tokenizer.json`:
+    transformers converts it with the `sentencepiece` library (without it the load failed asking
+    for `tiktoken`). The model comes from sentencepiece's own trainer; its encoding is the reference,
+    and an engine serves the checkpoint."""
+    import sentencepiece
+
+    from workers.serving.engine import LLMEngine
+    from workers.serving.engine_config import EngineConfig
+    from workers.serving.sampling import SamplingParams
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["The capital of France is Paris.", "Prices: 5€, café. 中文 😀", "def f(x): x"] * 50))
+    model_dir = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=300)
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(model_dir / "tokenizer"),
+        vocab_size=300,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    (model_dir / "tokenizer.vocab").unlink()
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    tokenizer = load_tokenizer(model_dir)
+    text = "The capital of 中文 is 😀 Paris"
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids == reference.encode(text) and tokenizer.decode(ids) == text
+    engine, served = LLMEngine.from_config(
+        EngineConfig(model=str(model_dir), max_model_len=MAX_LEN, max_num_seqs=1, device="cpu", dtype="float32")
+    )
+    assert served.encode(text, add_special_tokens=False) == ids
+    seq = engine.add_request(ids, SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_work():
+        engine.step()
+    assert (len(seq.output_ids), seq.finish_reason) == (4, "length")
+
+
 def test_malformed_index_is_refused_by_name(tmp_path):
     """A model.safetensors.index.json that is not JSON, or has no weight_map, is a CheckpointError
     naming the index, not a raw parsing error."""
