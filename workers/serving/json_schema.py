@@ -21,7 +21,7 @@ EXACT_INTEGERS = 2**53  # llguidance reads a schema's numbers as 64-bit floats: 
 ANNOTATIONS = frozenset({"default", "examples", "description", "title", "$comment"})  # constrain nothing
 DATA_KEYS = frozenset({"const", "enum"})  # their values are JSON data, not schemas
 INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-MAX_OPTIONAL_PROPERTIES = 500  # of one object: llguidance's parser rows hold 2,000 items, ~4 per optional property
+MAX_OPTIONAL_PROPERTIES = 498  # of one object: llguidance's parser rows hold 2,000 items, 4 per optional property and 7
 NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
@@ -99,7 +99,7 @@ def _integer_typed(schema: dict) -> bool:
 
 def _crowded_object(tree: object) -> int | None:
     """The optional properties of an object schema that has more than the grammar engine parses
-    (MAX_OPTIONAL_PROPERTIES: llguidance's rows of 2,000 items fail at 501, on the first token of
+    (MAX_OPTIONAL_PROPERTIES: llguidance's rows of 2,000 items fail at 499, on the first token of
     the object, after the request was admitted); None when none has."""
     for value, schema in _values(tree):
         if schema and isinstance(value, dict) and isinstance(value.get("properties"), dict):
