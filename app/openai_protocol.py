@@ -423,11 +423,12 @@ def _text(token: bytes) -> str:
     return token.decode("utf-8", "replace")
 
 
-def _by_token(top: list[tuple[bytes, float]]) -> dict[str, float]:
-    """Legacy top_logprobs, token -> logprob: of tokens that read the same (pieces of different
-    characters each read as U+FFFD), the more likely one's."""
+def _by_token(item: LogprobItem) -> dict[str, float]:
+    """Legacy top_logprobs, token -> logprob: the alternatives and, as OpenAI's always does (so up
+    to logprobs + 1 entries, and one with `logprobs: 0`), the sampled token; of tokens that read the
+    same (pieces of different characters each read as U+FFFD), the more likely one's."""
     out: dict[str, float] = {}
-    for token, logprob in top:
+    for token, logprob in sorted([*item.top, (item.token, item.logprob)], key=lambda t: -t[1]):
         out.setdefault(_text(token), logprob)
     return out
 
@@ -510,6 +511,6 @@ class ResponseShape:
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [_by_token(t.top) for t in tokens],
+            "top_logprobs": [_by_token(t) for t in tokens],
             "text_offset": offsets,
         }

@@ -445,6 +445,18 @@ def test_a_character_split_across_tokens_is_joined_from_their_bytes():
     assert legacy["top_logprobs"][0] == {"\ufffd": -0.1}  # two pieces that read alike: the more likely one
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    """OpenAI's legacy top_logprobs always hold the sampled token (up to logprobs + 1 entries):
+    `logprobs: 0` gave `{}` for every token, and a sampled token outside the top k was missing, so
+    a client reading `top_logprobs[i][tokens[i]]` failed."""
+    drawn = [LogprobItem(b" a", -1.25, []), LogprobItem(b" high", -7.5, [(b" place", -0.5), (b" vast", -1.0)])]
+    legacy = ResponseShape(False, "m", logprobs=True).chunk(" a high", None, logprobs=drawn)["choices"][0]["logprobs"]
+    assert legacy["top_logprobs"] == [{" a": -1.25}, {" place": -0.5, " vast": -1.0, " high": -7.5}]
+    assert all(
+        top[token] == lp for token, lp, top in zip(*(legacy[k] for k in ("tokens", "token_logprobs", "top_logprobs")))
+    )
+
+
 def test_completion_logprobs_are_the_legacy_shape_with_offsets_across_chunks():
     """tokens, token_logprobs, top_logprobs (token -> logprob; of two tokens that read the same,
     the more likely) and text_offset, which goes on counting from one chunk of a choice to its
