@@ -180,6 +180,8 @@ async def _json_body(request: Request) -> dict:
             reason = f"a lone UTF-16 surrogate escape (\\ud800-\\udfff outside a pair), {reason}"
         elif re.search(rb"NaN|Infinity", raw):
             reason += " (NaN and Infinity are not JSON numbers)"
+        elif "recursion limit" in reason:
+            raise BodyError(400, "request body is nested too deeply: arrays and objects more than 201 levels deep") from None
         raise BodyError(400, f"request body is not valid JSON: {reason}") from None
     if not isinstance(body, dict):
         raise BodyError(400, "request body must be a JSON object")

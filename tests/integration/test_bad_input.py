@@ -63,6 +63,8 @@ RAW_BODIES = [
     ("top_p-infinity", "completions", '{"model": {m}, "prompt": "hi", "top_p": Infinity}', ["Infinity"]),
     ("seed-minus-infinity", "chat", '{"model": {m}, "messages": ' + USER_HI + ', "seed": -Infinity}', ["NaN"]),
     ("temperature-overflow", "completions", '{"model": {m}, "prompt": "hi", "temperature": 1e999}', ["temperature"]),
+    ("nested-300-deep", "completions", '{"model": {m}, "prompt": "hi", "user": ' + "[" * 300 + "]" * 300 + "}",
+     ["nested too deeply", "201 levels"]),
     ("seed-5000-digits", "completions", '{"model": {m}, "prompt": "hi", "seed": ' + "9" * 5000 + "}", ["JSON"]),
     ("temperature-string", "completions", '{"model": {m}, "prompt": "hi", "temperature": "1.5"}', ["temperature"]),
     ("top_p-string", "chat", '{"model": {m}, "messages": ' + USER_HI + ', "top_p": "0.5"}', ["top_p"]),
