@@ -42,6 +42,6 @@ def test_cuda_matches_cpu_greedy_and_seeded(tmp_path, monkeypatch, pool):
     cuda, cuda_kv = run("cuda", requests, kv_cache_tokens=pool)
     cpu, cpu_kv = run("cpu", requests, kv_cache_tokens=pool)
     assert cuda == cpu
-    assert cuda_kv["preemptions"] == cpu_kv["preemptions"]
-    assert (cuda_kv["preemptions"] > 0) == (pool is not None)
-    assert cuda_kv["pages_free"] == cuda_kv["pages"]
+    assert cuda_kv.preemptions == cpu_kv.preemptions
+    assert (cuda_kv.preemptions > 0) == (pool is not None)
+    assert cuda_kv.pages_free == cuda_kv.pages

@@ -169,7 +169,7 @@ def check_streams(trace: Trace) -> None:
 
 def check_all_free(engine: LLMEngine) -> None:
     kv = engine.status().kv_cache
-    assert kv["pages_free"] == kv["pages"] == engine.cache.num_pages - 1
+    assert kv.pages_free == kv.pages == engine.cache.num_pages - 1
     assert sorted(engine.scheduler.free_slots) == list(range(engine.cache.num_slots))
     assert not engine.cache.block_table[engine.cache.scratch_slot].any()
 
