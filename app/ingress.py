@@ -38,6 +38,8 @@ from workers.serving.sampling import InvalidRequest
 log = logging.getLogger(__name__)
 api = FastAPI(title="graphserve", docs_url=None, redoc_url=None, redirect_slashes=False)  # a 404, not a 307
 RETRY_AFTER = {"Retry-After": "5"}
+# An event stream is neither cached nor held by a buffering proxy in front (nginx buffers by default)
+UNBUFFERED = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # A request crosses to its replica in one message; under throughput-optimized mode that is a gRPC
 # message, which Serve bounds (4 MiB unless RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH raises it).
 try:
@@ -181,7 +183,9 @@ async def _json_body(request: Request) -> dict:
         elif re.search(rb"NaN|Infinity", raw):
             reason += " (NaN and Infinity are not JSON numbers)"
         elif "recursion limit" in reason:
-            raise BodyError(400, "request body is nested too deeply: arrays and objects more than 201 levels deep") from None
+            raise BodyError(
+                400, "request body is nested too deeply: arrays and objects more than 201 levels deep"
+            ) from None
         raise BodyError(400, f"request body is not valid JSON: {reason}") from None
     if not isinstance(body, dict):
         raise BodyError(400, "request body must be a JSON object")
@@ -454,7 +458,9 @@ class Ingress:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(shape, first, items, include_usage), media_type="text/event-stream", headers=seed
+                self._stream(shape, first, items, include_usage),
+                media_type="text/event-stream",
+                headers=seed | UNBUFFERED,
             )
         response = await self._collect(shape, first, items)
         response.headers.update(seed)

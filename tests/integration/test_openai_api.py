@@ -445,7 +445,8 @@ def test_openapi_lists_the_request_models_and_bad_requests_stay_openai_400s(serv
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_sse_stream_ends_with_done(server, chat):
-    """The raw event stream: text/event-stream, one JSON object per `data:` line, then `data: [DONE]`."""
+    """The raw event stream: text/event-stream, one JSON object per `data:` line, then `data: [DONE]`;
+    marked for proxies in front not to cache or buffer it (nginx holds a response by default)."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {
         "model": server.model,
@@ -458,6 +459,7 @@ def test_sse_stream_ends_with_done(server, chat):
     with server.http.stream("POST", path, json=body, headers=server.key_headers()) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
+        assert (r.headers["cache-control"], r.headers["x-accel-buffering"]) == ("no-cache", "no")
         lines = [line for line in r.iter_lines() if line.strip()]
     payloads = sse_events(lines)
     assert len(payloads) == len(lines), lines  # nothing but data: lines
