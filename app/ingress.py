@@ -184,7 +184,7 @@ async def _json_body(request: Request) -> dict:
             reason += " (NaN and Infinity are not JSON numbers)"
         elif "recursion limit" in reason:
             raise BodyError(
-                400, "request body is nested too deeply: arrays and objects more than 201 levels deep"
+                400, "request body JSON is nested too deeply: arrays and objects more than 201 levels deep"
             ) from None
         raise BodyError(400, f"request body is not valid JSON: {reason}") from None
     if not isinstance(body, dict):
