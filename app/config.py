@@ -431,7 +431,8 @@ class AppConfig(BaseModel):
         Kubernetes the mounted ConfigMap), else `cuda_graph_policy`; ValueError naming the key
         when the file cannot be read or its buckets do not fit `max_num_seqs`."""
         if not self.cuda_graph_policy_file:
-            return self._check_inline_policy()
+            self._check_inline_policy()
+            return self.cuda_graph_policy
         try:
             policy = load_policy(self.cuda_graph_policy_file)
             if self.max_num_seqs is not None:
@@ -440,12 +441,11 @@ class AppConfig(BaseModel):
             raise ValueError(f"cuda_graph_policy_file {self.cuda_graph_policy_file}: {e}") from e
         return policy
 
-    def _check_inline_policy(self) -> GraphPolicy:
-        """`cuda_graph_policy`, checked against the batch limit once it is known (the device's
-        default is resolved by `on_device`): a policy file is checked where it is read."""
+    def _check_inline_policy(self) -> None:
+        """`cuda_graph_policy` against the batch limit, once it is known (the device's default is
+        resolved by `on_device`): a policy file is checked where it is read."""
         if self.max_num_seqs is not None:
             self.cuda_graph_policy.check_fits(self.max_num_seqs)
-        return self.cuda_graph_policy
 
     def check_lora_modules(self) -> None:
         """ValueError naming the `lora_modules` that hold no adapter: checked where a replica runs

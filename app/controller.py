@@ -241,8 +241,7 @@ class GraphController:
             self.archived = state.get("archived", [])
         if made_for is not None:
             self.adopt(made_for, "controller")
-        if initial_toggles != self.configured_toggles:
-            self._configure_toggles(initial_toggles, "controller")
+        self._configure_toggles(initial_toggles, "controller")
 
     # -- the configuration the swap state belongs to -----------------------------------------------
 
@@ -264,7 +263,7 @@ class GraphController:
         `configured_toggles`: the configuration's `tenants`, applied as `reconciled_toggles` says."""
         if made_for != self.made_for:
             self._archive_for(made_for, actor)
-        if configured_toggles is not None and configured_toggles != self.configured_toggles:
+        if configured_toggles is not None:
             self._configure_toggles(configured_toggles, actor)
         if replica_id is not None:
             self._join_swap(replica_id)
@@ -313,6 +312,9 @@ class GraphController:
         self._commit_or_apply(entries, "the new configuration", **changes)
 
     def _configure_toggles(self, configured: dict[str, bool], actor: str) -> None:
+        """Take the configuration's `tenants` when they differ from those the toggles started from."""
+        if configured == self.configured_toggles:
+            return
         toggles = reconciled_toggles(self.toggles, self.configured_toggles, configured)
         at = time.time()
         entries = [

@@ -426,9 +426,11 @@ def _text(token: bytes) -> str:
 def _by_token(item: LogprobItem) -> dict[str, float]:
     """Legacy top_logprobs, token -> logprob: the alternatives and, as OpenAI's always does (so up
     to logprobs + 1 entries, and one with `logprobs: 0`), the sampled token; of tokens that read the
-    same (pieces of different characters each read as U+FFFD), the more likely one's."""
+    same (pieces of different characters each read as U+FFFD), the more likely one's. The
+    alternatives come most likely first (a top-k), and a sampled token outside them is no more
+    likely than the last, so it goes last."""
     out: dict[str, float] = {}
-    for token, logprob in sorted([*item.top, (item.token, item.logprob)], key=lambda t: -t[1]):
+    for token, logprob in [*item.top, (item.token, item.logprob)]:
         out.setdefault(_text(token), logprob)
     return out
 

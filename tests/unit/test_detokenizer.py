@@ -12,6 +12,7 @@ import pytest
 import workers.serving.detokenizer
 from app.openai_protocol import STOP_MAX_CHARS
 from tests.unit.engine_fixtures import load_tiny
+from workers.modeling.token_bytes import token_bytes
 from workers.serving.detokenizer import IncrementalDetokenizer, StopMatcher
 
 MIXED = "Hi é€中😀 ok, ünïcödé ∑ 𝄞 end"
@@ -513,7 +514,6 @@ def test_each_tokens_bytes_join_into_the_text(other_kinds, tokenizer, kind):
     """A token's bytes (logprobs' `bytes`) are what it stands for: joined they are the text's UTF-8,
     spaces of SentencePiece's `▁` and `<0xNN>` byte tokens included (decoded alone, `▁world`
     lost its space and a piece of a character read as U+FFFD's bytes)."""
-    from workers.modeling.token_bytes import token_bytes
 
     tok = other_kinds["sentencepiece"] if kind == "sentencepiece" else tokenizer
     text = "The capital of France is Paris. 5€ 👍🏽 中文 don't"
@@ -545,8 +545,7 @@ def test_byte_fallback_text_does_not_depend_on_how_reads_split_the_tokens(other_
             char = rng.choice(["O", "é", "€", "😀"]).encode()
             output += byte_tokens(tok, *(char if kind < 0.8 else char[: rng.randint(1, max(1, len(char) - 1))]))
     prompt = enc(tok, "I like 😀")  # ends in byte tokens: the prompt's bytes must not join the output's
-    raw = b"".join(b for t in output for b in [token_bytes_of(tok, t)])
-    expected = raw.decode(errors="replace")
+    expected = b"".join(token_bytes(tok)(t) for t in output).decode(errors="replace")
     for stop in ((), ("\ufffd t",), ("K\ufffd",)):
         results = set()
         for reads in ([1] * len(output), [len(output)], [rng.randint(1, 5) for _ in output]):
@@ -564,12 +563,6 @@ def test_byte_fallback_text_does_not_depend_on_how_reads_split_the_tokens(other_
         assert len(results) == 1, (stop, results)
         if not stop:
             assert results == {(expected, len(output))}
-
-
-def token_bytes_of(tok, token_id: int) -> bytes:
-    from workers.modeling.token_bytes import token_bytes
-
-    return token_bytes(tok)(token_id)
 
 
 def test_a_prompt_that_ends_in_a_real_replacement_character_keeps_its_decode_context(other_kinds):

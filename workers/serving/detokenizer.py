@@ -131,20 +131,20 @@ def _standard_byte_runs(ids: list[int], byte_of: dict[int, int], id_of: dict[int
     its standard decoding (each invalid sequence one U+FFFD, valid characters kept). Special
     tokens, which the decode skips, neither end a run nor stay."""
     out: list[int] = []
-    run: list[int] = []
+    run: list[int] = []  # byte token ids
 
     def close() -> None:
-        raw = bytes(run)
+        raw = bytes(byte_of[i] for i in run)
         try:
             raw.decode()
+            out.extend(run)
         except UnicodeDecodeError:
-            raw = raw.decode(errors="replace").encode()
-        out.extend(id_of[b] for b in raw)
+            out.extend(id_of[b] for b in raw.decode(errors="replace").encode())
         run.clear()
 
     for token_id in ids:
         if token_id in byte_of:
-            run.append(byte_of[token_id])
+            run.append(token_id)
         elif token_id not in special:
             if run:
                 close()
