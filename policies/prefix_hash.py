@@ -24,9 +24,13 @@ def page_hashes(tokens: Sequence[int], page_size: int, salt: bytes, known: Seque
     sequence only grows."""
     out = list(known)
     parent = out[-1] if out else hashlib.sha256(_ROOT + salt).digest()
-    for start in range(len(out) * page_size, len(tokens) - page_size + 1, page_size):
-        # Fixed widths (32-byte parent, 8 bytes a token): the concatenation reads only one way.
-        parent = hashlib.sha256(parent + array("q", tokens[start : start + page_size]).tobytes()).digest()
+    first, pages = len(out) * page_size, len(tokens) // page_size - len(out)
+    if pages <= 0:
+        return out
+    # Fixed widths (32-byte parent, 8 bytes a token): the concatenation reads only one way.
+    packed, width = array("q", tokens[first : first + pages * page_size]).tobytes(), 8 * page_size
+    for start in range(0, pages * width, width):
+        parent = hashlib.sha256(parent + packed[start : start + width]).digest()
         out.append(parent)
     return out
 

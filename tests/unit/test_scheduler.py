@@ -174,7 +174,7 @@ def test_prompt_ids_outside_vocab_rejected():
     bad id inside the batched step would fail every request); without one, ids are not checked."""
     s = make_scheduler()
     s.limits = RequestLimits(s.max_model_len, 10, s.limits.capacity)
-    for bad in ([1, 10], [-1, 2], [1, 2.0], [1, "3"]):
+    for bad in ([1, 10], [-1, 2], [1, 2.0], [1, "3"], [1, 2**64], [None]):
         with pytest.raises(InvalidRequest, match=r"\[0, 10\)"):
             s.add(Sequence("x", bad, SamplingParams(), seed=0))
     assert s.num_unfinished == 0
