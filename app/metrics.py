@@ -8,6 +8,7 @@ Prometheus (a restarted replica is a new series) and one scrape target sees the 
 from __future__ import annotations
 
 import bisect
+import copy
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -57,78 +58,124 @@ class RequestMetrics:
         }
 
 
-# Engine counters in a replica's status: (where, the labels that name a series, its values)
-PART_COUNTERS = (
-    ("prefill_step_parts", STEP_LABELS, ("steps", "tokens", "padding_tokens")),
-    ("decode_step_parts", STEP_LABELS, ("steps", "rows", "padding_rows")),
+ANY = "*"  # every key of a dict at this point of a counter's path
+EACH = "#"  # every item of a list of numbers ([calls, seconds])
+
+# Where a replica's status holds engine counters: paths of keys, where ANY and EACH stand for every
+# key or item there and a tuple of label names for a list of entries, each entry a series named by
+# those labels. Every counter the engine starts again from zero on a restart is here (the rollout's
+# stage signals and /admin/status read them, as well as /metrics); rates and summaries since the
+# engine's start are not.
+COUNTER_PATHS = (
+    *(("stats", name) for name in ("prefill_steps", "decode_steps", "prompt_tokens", "generated_tokens")),
+    *(("stats", name, ANY) for name in ("busy_s", "finished_requests", "decode_batch_sizes", "steps_by_bucket")),
+    ("stats", "prefix_cache", ANY),
+    ("stats", "lora", "loads", ANY),
+    ("stats", "lora", "generated_tokens", ANY),
+    ("stats", "lora", "load_s"),
+    ("stats", "cohorts", ANY, "rows"),
+    ("stats", "cohorts", ANY, "fallback_rows"),
+    ("stats", "cohorts", ANY, "calls", ANY, EACH),  # {rows: [calls, seconds]}
+    ("stats", "shadow", "checks"),
+    ("stats", "shadow", "mismatches"),
+    ("stats", "shadow", "by_bucket", ("bucket_id", "result"), "count"),
+    *(("stats", "prefill_step_parts", STEP_LABELS, v) for v in ("steps", "tokens", "padding_tokens")),
+    *(("stats", "decode_step_parts", STEP_LABELS, v) for v in ("steps", "rows", "padding_rows")),
+    ("kv_cache", "preemptions"),
 )
-NAMED_COUNTERS = (("busy_s",), ("lora", "loads"), ("lora", "generated_tokens"), ("prefix_cache",))
 
 
 class CarriedCounters:
     """A replica's engine counters, never going down. The engine starts them from zero when it
     restarts in place (a crash), a swap's gate runs, or a rebuild starts a new engine process, and
     the replica label stays: its series dropped and, until a label set saw its first step again,
-    vanished. Each series that drops is taken as restarted (Prometheus' own reading of a drop) and
-    what it had is carried, added from then on; a restart the next report finds already past its
-    old total is not seen, as Prometheus would not see it."""
+    vanished. The engine's stats say when they started (`since`): when that changes, what every
+    series had is carried, added from then on. The KV pool's preemptions restart with the engine
+    process, not with a gate: a drop of that series is taken as its restart (Prometheus' reading)."""
 
     def __init__(self) -> None:
         self.base: dict[tuple, float] = {}
         self.last: dict[tuple, float] = {}
+        self.since: float | None = None
 
     def apply(self, status: dict) -> dict:
         """The status with its engine counters carried across the engine's restarts."""
-        raw = dict(_counter_series(status))
+        raw = dict(_series(status))
+        since = status.get("stats", {}).get("since")
         for key, value in self.last.items():
-            if raw.get(key, 0) < value:
+            if COUNTER_PATHS[key[0]][0] != "stats":
+                carry = key not in raw or raw[key] < value
+            elif since is None:  # no engine stats in this status: what they had stays last
+                raw.setdefault(key, value)
+                carry = False
+            else:  # a series that vanished keeps its zeros too
+                carry = since != self.since
+            if carry:
                 self.base[key] = self.base.get(key, 0) + value
+        self.since = since or self.since
         self.last = raw
-        return _with_series(status, {k: raw.get(k, 0) + self.base.get(k, 0) for k in raw.keys() | self.base.keys()})
+        if not self.base:
+            return status
+        out = copy.deepcopy(status)
+        for key in sorted(raw.keys() | self.base.keys(), key=str):
+            _put(out, COUNTER_PATHS[key[0]], key[1:], raw.get(key, 0) + self.base.get(key, 0))
+        return out
 
 
-def _counter_series(status: dict):
-    stats = status.get("stats", {})
-    for where, labels, values in PART_COUNTERS:
-        for part in stats.get(where, []):
-            for value in values:
-                yield (where, tuple(part[k] for k in labels), value), part[value]
-    for path in NAMED_COUNTERS:
-        named = stats
-        for step in path:
-            named = named.get(step, {})
-        for name, value in named.items():
-            yield (*path, name), value
-    for check in stats.get("shadow", {}).get("by_bucket", []):
-        yield ("shadow", check["bucket_id"], check["result"]), check["count"]
-    if status.get("kv_cache"):
-        yield ("kv_cache", "preemptions"), status["kv_cache"]["preemptions"]
+def _series(status: dict):
+    """(key, value) of every counter in the status: a key is (its path's index, the keys taken),
+    where an entry of a labelled list is taken as its labels' (name, value) pairs."""
+    for index, path in enumerate(COUNTER_PATHS):
+        for keys, value in _walk(status, path):
+            yield (index, *keys), value
 
 
-def _with_series(status: dict, totals: dict[tuple, float]) -> dict:
-    if "stats" not in status:
-        return status
-    stats = dict(status["stats"])
-    if "lora" in stats:
-        stats["lora"] = dict(stats["lora"])
-    out = {**status, "stats": stats}
-    for where, labels, values in PART_COUNTERS:
-        parts: dict[tuple, dict] = {}
-        for (kind, *rest), total in totals.items():
-            if kind == where:
-                key, value = rest
-                parts.setdefault(key, dict(zip(labels, key, strict=True)) | dict.fromkeys(values, 0))[value] = total
-        stats[where] = [parts[k] for k in sorted(parts, key=str)]
-    for path in NAMED_COUNTERS:
-        parent = stats.get("lora", {}) if path[0] == "lora" else stats
-        if path[-1] in parent:
-            parent[path[-1]] = {key[-1]: total for key, total in totals.items() if key[:-1] == path}
-    if "shadow" in stats:
-        checks = [{"bucket_id": k[1], "result": k[2], "count": n} for k, n in totals.items() if k[0] == "shadow"]
-        stats["shadow"] = {**stats["shadow"], "by_bucket": sorted(checks, key=lambda c: (c["bucket_id"], c["result"]))}
-    if ("kv_cache", "preemptions") in totals:
-        out["kv_cache"] = {**status["kv_cache"], "preemptions": totals[("kv_cache", "preemptions")]}
-    return out
+def _walk(node, path: tuple):
+    if not path:
+        if isinstance(node, int | float) and not isinstance(node, bool):
+            yield (), node
+        return
+    step, rest = path[0], path[1:]
+    if isinstance(step, tuple):
+        children = [(_labels(e, step), e) for e in node if isinstance(e, dict)] if isinstance(node, list) else []
+    elif step == EACH:
+        children = list(enumerate(node)) if isinstance(node, list) else []
+    elif not isinstance(node, dict):
+        children = []
+    else:
+        children = list(node.items()) if step == ANY else [(step, node[step])] if step in node else []
+    for key, child in children:
+        for keys, value in _walk(child, rest):
+            yield (key, *keys), value
+
+
+def _labels(entry: dict, names: tuple[str, ...]) -> tuple:
+    return tuple((name, entry.get(name)) for name in names)
+
+
+def _put(node, path: tuple, keys: tuple, total: float) -> None:
+    """Set the counter at `keys` (taken along `path`) to `total`, making what the status lacks on
+    the way (a series the restarted engine has not counted yet): dicts, list items and labelled
+    entries, those in the labels' order."""
+    for i, (step, key) in enumerate(zip(path, keys, strict=True)):
+        last = i == len(path) - 1
+        if isinstance(step, tuple):
+            entry = next((e for e in node if _labels(e, step) == key), None)
+            if entry is None:
+                entry = dict(key)
+                node.append(entry)
+                node.sort(key=lambda e: str(_labels(e, step)))
+            node = entry
+            continue
+        if step == EACH:
+            node.extend([0] * (key + 1 - len(node)))
+        if last:
+            node[key] = total
+        elif step == EACH:
+            node = node[key]
+        else:
+            following = path[i + 1]
+            node = node.setdefault(key, [] if following == EACH or isinstance(following, tuple) else {})
 
 
 def _histogram(name: str, doc: str, per_replica: dict[str, dict]) -> HistogramMetricFamily:

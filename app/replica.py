@@ -429,6 +429,7 @@ class LLMReplica:
         self.draining = True
         try:
             await self._drain(order["drain_timeout_s"])
+            await self._refresh_status()  # the drained streams' last counts, before the swap starts them again
             self._set_swap_step(swap_id, "loading")
             try:
                 report = await self.engine.swap(engine_config(target))

@@ -8,7 +8,7 @@ from collections import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.auth import Operator
-from app.controller import GraphController
+from app.controller import GraphController, signals_from_statuses
 from app.metrics import CarriedCounters, render
 from workers.serving.stats import EngineStats
 
@@ -112,3 +112,44 @@ def test_engine_counters_never_go_down_across_an_engine_restart():
     third = counters(render({"r1": carried.apply(engine_status(after, [], preemptions=1))}))
     assert third[("graphserve_engine_busy_seconds_total", ("phase", "decode"), ("replica", "r1"))] == 6.2
     assert third[("graphserve_preemptions_total", ("replica", "r1"))] == 4
+
+
+def test_status_counters_and_rollout_signals_never_go_down_across_an_engine_restart():
+    """/admin/status and the rollout's stage signals read the same status: its step totals, finished
+    requests, cohort rows and calls and shadow totals restarted from zero with the engine (a stage's
+    signals went 273 -> 117 graph rows with no traffic, and a guard would see fewer mismatches than
+    the stage began with). Carried, each keeps its total and grows from there."""
+    before = EngineStats("rev1", "sdpa")
+    before.record_step("graph", "decode_bs_8", "none", rows=6, padding=2)
+    before.record_step("eager", "decode_bs_8", "rollout_holdback", rows=4, padding=0)
+    before.record_decode(10)
+    before.record_prefill(2, 30, "eager", "prefill_eager", "none", 0)
+    before.record_finish("stop", 0.1, 0.01)
+    before.record_cohort_call("graph", 8, 0.004)
+    shadow = [{"bucket_id": "decode_bs_8", "result": "mismatch", "count": 2}]
+    carried = CarriedCounters()
+    first = carried.apply(engine_status(before, shadow, preemptions=0) | {"requests": {}})
+    first["stats"]["shadow"].update(checks=2, mismatches=2)
+    first = carried.apply(first)
+
+    after = EngineStats("rev1", "sdpa")  # restarted: one graph-cohort step, no holdback yet
+    after.record_step("graph", "decode_bs_1", "none", rows=1, padding=0)
+    after.record_decode(1)
+    after.record_cohort_call("graph", 8, 0.001)
+    second = engine_status(after, [], preemptions=0) | {"requests": {}}
+    second["stats"]["shadow"].update(checks=0, mismatches=0)
+    second = carried.apply(second)
+
+    stats = second["stats"]
+    assert (stats["decode_steps"], stats["prefill_steps"], stats["generated_tokens"]) == (2, 1, 13)
+    assert (stats["prompt_tokens"], stats["finished_requests"]) == (30, {"stop": 1})
+    assert stats["decode_batch_sizes"] == {1: 1, 10: 1}
+    assert stats["cohorts"]["graph"]["rows"] == 7 and stats["cohorts"]["holdback"]["rows"] == 4
+    assert stats["cohorts"]["graph"]["calls"] == {8: [2, 0.005]}
+    assert (stats["shadow"]["checks"], stats["shadow"]["mismatches"]) == (2, 2)
+    assert sum(s["steps"] for s in stats["decode_step_parts"]) == 3  # model calls: a split step makes two
+
+    was, now = signals_from_statuses({"r1": first}), signals_from_statuses({"r1": second})
+    grew = now.minus(was)
+    assert (grew.graph.rows, grew.holdback.rows, grew.shadow_mismatches) == (1, 0, 0)
+    assert grew.graph.step_s == {8: (1, 0.001)}

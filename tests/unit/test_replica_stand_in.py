@@ -132,9 +132,8 @@ def test_the_replicas_status_carries_engine_counters_across_an_engine_restart():
 
     def reported(busy_s: float, preemptions: int) -> dict:
         kv = dataclasses.replace(KV, preemptions=preemptions)
-        replica.engine_status = EngineStatus(
-            "READY", 256, "rev", "sdpa", {}, 0.0, {"busy_s": {"decode": busy_s}}, {}, kv
-        )
+        stats = {"since": 100.0 + replica.engine.restarts, "busy_s": {"decode": busy_s}}
+        replica.engine_status = EngineStatus("READY", 256, "rev", "sdpa", {}, 0.0, stats, {}, kv)
         return LLMReplica.status(replica)
 
     first = reported(5.0, 3)
@@ -142,3 +141,55 @@ def test_the_replicas_status_carries_engine_counters_across_an_engine_restart():
     replica.engine.restarts = 1
     after = reported(0.5, 0)
     assert (after["stats"]["busy_s"]["decode"], after["kv_cache"]["preemptions"]) == (5.5, 3)
+
+
+class CountingEngine:
+    """An engine that decodes until its swap starts (the drain lets its streams finish) and whose
+    swap starts its counters again (the gate's new stats)."""
+
+    swapping = False
+    failure = None
+    restarts = 0
+    tokenizer = "a tokenizer"
+
+    def __init__(self) -> None:
+        self.since, self.steps = 100.0, 10
+
+    async def status(self) -> EngineStatus:
+        return EngineStatus(
+            "READY", 256, "rev", "sdpa", {}, 0.0, {"since": self.since, "decode_steps": self.steps}, {}, KV
+        )
+
+    async def swap(self, config) -> dict:
+        self.since, self.steps = 200.0, 0
+        return {"path": "in_place"}
+
+
+def test_a_swap_carries_the_steps_its_drain_let_finish():
+    """The counters are read after the drain, before the swap starts them again: the steps the
+    drained streams ran since the last report were lost (17-53 decode rows a swap in a probe)."""
+    engine = CountingEngine()
+    replica = SimpleNamespace(
+        replica_id="r1",
+        state="READY",
+        metrics=RequestMetrics(),
+        engine=engine,
+        start_s=1.0,
+        start_parts={},
+        draining=False,
+        swap_progress=None,
+        config=AppConfig.from_args({}),
+        model_fallback=None,
+        counters=CarriedCounters(),
+        tenant_of={},
+        controller=SimpleNamespace(notify=lambda method, replica_id, status: None),
+    )
+    for name in ("_swap", "_set_swap_step", "_drain", "_refresh_status", "status"):
+        setattr(replica, name, getattr(LLMReplica, name).__get__(replica))
+    asyncio.run(replica._refresh_status())
+    assert replica.status()["stats"]["decode_steps"] == 10
+    engine.steps = 12  # the drained streams' last steps, after the last report
+    order = {"id": "swap-1", "target": {"graph_policy": {"mode": "eager"}}, "drain_timeout_s": 1.0}
+    asyncio.run(asyncio.wait_for(replica._swap(order), 10))
+    assert replica.swap_progress["step"] == "serving"
+    assert replica.status()["stats"]["decode_steps"] == 12

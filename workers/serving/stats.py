@@ -64,6 +64,7 @@ class EngineStats:
 
     def __init__(self, model_revision: str = "", attention_backend: str = "", window: int = 10000) -> None:
         self._lock = threading.Lock()
+        self.since = time.time()  # when these counters started: a replica carries them past a new start
         self.model_revision = model_revision
         self.attention_backend = attention_backend
         # (execution_mode, bucket_id, fallback_reason) -> [steps, rows, padding rows]
@@ -203,6 +204,7 @@ class EngineStats:
     def snapshot(self) -> dict:
         with self._lock:
             return {
+                "since": self.since,
                 **self.graph_summary(),
                 "prefill_steps": self.prefill_steps,
                 "prefill_step_parts": self._parts(self.prefill_parts, ("steps", "tokens", "padding_tokens")),
