@@ -18,12 +18,12 @@ import torch
 
 from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone, run_sync
-from workers.front.async_engine import AsyncEngine, EngineDeadError
-from workers.protocol import Coalescing
+from workers.front.async_engine import AsyncEngine, EngineDeadError, apply_contained
+from workers.protocol import Add, Coalescing
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import InvalidRequest, SamplingParams
-from workers.serving.scheduler import QueueFull
+from workers.serving.scheduler import QueueFull, new_sequence
 
 pytestmark = pytest.mark.timeout(60)
 BOS = 256
@@ -361,6 +361,21 @@ async def test_duplicate_request_id_rejected(tiny, start, monkeypatch):
     await wait_until(lambda: all_slots_free(engine))
     again = await asyncio.wait_for(collect(runner.submit([BOS, 3, 4], params, request_id="req-1")), 30)
     assert again.reason == "length" and len(again.ids) == 6
+
+
+def test_a_refused_add_under_a_running_requests_id_leaves_that_request_running(tiny):
+    """The step loop ends what a failed command left queued: an Add refused because its id is in
+    use (the front refuses it first; a caller past the front does not) aborted the request that
+    holds the id."""
+    engine = new_engine(tiny, max_num_seqs=2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = engine.add_request([BOS, 1, 2], params, request_id="req-1")
+    engine.step()
+    (event,) = apply_contained(engine, Add(new_sequence([BOS, 3, 4], params, "req-1")))
+    assert event.finish_reason == "error" and "already in use" in str(event.error)
+    while engine.has_work():
+        engine.step()
+    assert (first.output_ids, first.finish_reason) == run_alone(tiny, [BOS, 1, 2], params)
 
 
 async def test_queue_full_over_capacity(tiny, start):

@@ -48,7 +48,7 @@ def adapters(tiny, tmp_path_factory) -> dict[str, str]:
 
 def lora_engine(tiny: Tiny, max_loras: int = 3, max_num_seqs: int = 4, **config) -> LLMEngine:
     """An engine over its own copy of the tiny model (LoRA slots change the model)."""
-    model = load_model(tiny.model_dir, tiny.max_model_len)
+    model = load_model(tiny.model_dir, tiny.max_model_len, dtype=torch.float32)  # exact comparisons hold
     limits = LoraLimits(max_loras=max_loras, max_lora_rank=8, **config.pop("limits", {}))
     cfg = EngineConfig(max_model_len=tiny.max_model_len, device="cpu", max_num_seqs=max_num_seqs, lora=limits, **config)
     return LLMEngine(model, cfg, tiny.eos_token_ids)
@@ -108,6 +108,26 @@ def test_a_slot_pinned_only_by_requests_queued_later_does_not_hold_up_the_queues
     assert engine.adapter_slots.pins == {1: 0}
     alone = [run(lora_engine(tiny, max_num_seqs=1), [r], adapters)[0] for r in order]
     assert [s.output_ids for s in seqs] == alone
+
+
+def test_an_adapter_that_fails_to_load_at_the_queues_head_ends_its_request_counted(tiny, adapters, tmp_path):
+    """One slot, pinned by a running request: the next request's adapter loads when it reaches the
+    queue's head, and fails there. It ends with an error event and is counted as finished (it was
+    not: finished plus aborted fell short of the requests submitted)."""
+    engine = lora_engine(tiny, max_loras=1, max_num_seqs=1)
+    bad = tmp_path / "truncated"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(open(f"{adapters['mlp']}/adapter_config.json").read())
+    data = open(f"{adapters['mlp']}/adapter_model.safetensors", "rb").read()
+    (bad / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    good = engine.add_request(PROMPTS[0], GREEDY, adapter=("all", adapters["all"]))
+    failing = engine.add_request(PROMPTS[1], GREEDY, adapter=("mlp", str(bad)))
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    assert (good.finish_reason, failing.finish_reason) == ("length", "error")
+    assert [e.finish_reason for e in events if e.request_id == failing.request_id] == ["error"]
+    assert engine.stats.snapshot()["finished_requests"] == {"length": 1, "error": 1}
 
 
 def adapter_rows_rolled(model):

@@ -144,11 +144,24 @@ def test_max_tokens_cuts_a_constrained_request_with_length(tiny):
 
 
 def test_a_schema_the_engine_cannot_compile_ends_its_request_with_that_error(tiny):
-    (seq,), events = run(engine_for(tiny), [(prompt(1), constrained(json_schema='{"type":"strin"}'))])
+    """...and is counted among the finished requests (it ended without a count: finished plus
+    aborted fell short of the requests submitted by one a refused schema)."""
+    engine = engine_for(tiny)
+    (seq,), events = run(engine, [(prompt(1), constrained(json_schema='{"type":"strin"}'))])
     (event,) = events
     assert seq.finish_reason == event.finish_reason == "error"
     assert isinstance(event.error, InvalidSchema) and "strin" in str(event.error)
     assert event.error.param == "response_format"
+    assert engine.stats.snapshot()["finished_requests"] == {"error": 1}
+
+
+def test_an_id_waiting_for_its_grammar_is_in_use(tiny):
+    """A plain request under the id of one whose schema still compiles was queued beside it: two
+    sequences under one id."""
+    engine = engine_for(tiny)
+    engine.add_request(prompt(1), constrained(), request_id="same")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request(prompt(2), SamplingParams(max_tokens=3), request_id="same")
 
 
 def test_an_engine_without_its_tokenizer_refuses_a_schema(tiny):

@@ -88,7 +88,8 @@ def apply_contained(engine: LLMEngine, command: Add | Abort | Deny | Call) -> li
             log.exception("%s for request %s failed; ending that request", type(command).__name__, request_id)
             error = RequestFailed(f"{type(e).__name__}: {e}")
         with contextlib.suppress(Exception):
-            engine.abort(request_id)
+            if not isinstance(command, Add) or engine.find(request_id) is command.seq:
+                engine.abort(request_id)  # what the failed command left queued, never another request under its id
         return [TokenEvent(request_id, [], "error", error)]
 
 

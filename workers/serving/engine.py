@@ -350,13 +350,13 @@ class LLMEngine:
         its grammar is compiled (in a thread; the others decode meanwhile), then is queued."""
         if seq.adapter is not None and self.adapter_slots is None:
             raise InvalidRequest(f"adapter {seq.adapter[0]!r}: LoRA is not enabled on this server (lora: unset)")
+        if self.find(seq.request_id) is not None:  # queued, running, or waiting for its grammar
+            raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
         if seq.params.json_schema is None:
             self._queue(seq)
             return
         if self.grammars is None:
             raise InvalidSchema("this engine was started without its tokenizer: it cannot compile a schema")
-        if self.find(seq.request_id) is not None:
-            raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
         self._compiling[seq.request_id] = (seq, self.grammars.compile(seq.params.json_schema))
 
     def _queue(self, seq: Sequence) -> None:
@@ -451,6 +451,7 @@ class LLMEngine:
             return self._grant_adapter(seq) or (self._unpin_queued(seq) and self._grant_adapter(seq))
         except InvalidRequest as e:
             self.scheduler.finish(seq, "error")
+            self.stats.record_finish("error", None, None)
             self._refused.append(TokenEvent(seq.request_id, [], "error", e))
             return False
 
@@ -516,6 +517,7 @@ class LLMEngine:
                 except (InvalidRequest, QueueFull) as e:
                     error = e
             seq.finish_reason = "error"
+            self.stats.record_finish("error", None, None)
             events[request_id] = TokenEvent(request_id, [], "error", error)
 
     @torch.inference_mode()
