@@ -12,6 +12,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from app.config import AppConfig
 from app.metrics import render
@@ -180,7 +181,7 @@ def adapters(tiny, tmp_path_factory) -> dict[str, str]:
 
 
 def lora_engine(tiny: Tiny, caching: bool = True, max_loras: int = 2) -> LLMEngine:
-    model = load_model(tiny.model_dir, tiny.max_model_len)  # LoRA slots change the model: its own copy
+    model = load_model(tiny.model_dir, tiny.max_model_len, dtype=torch.float32)  # LoRA slots change it: a copy
     cfg = EngineConfig(
         max_model_len=tiny.max_model_len,
         device="cpu",
