@@ -76,6 +76,18 @@ class Progress:
         return msgspec.structs.replace(request, avoid=tuple(self.avoid), resume=resume)
 
 
+def with_request_seed(request: GenerateRequest, first_seed: int | None) -> GenerateRequest:
+    """An n-choice request whose choices go on by themselves, seeded as its replica seeded them: an
+    unseeded one's choices derive from the seed its replica drew, which is choice 0's (known once a
+    chunk of choice 0 came; the seed header is that one), or, with none sent yet, from one drawn
+    now. A choice that lost its replica before its first chunk then draws what the header's seed
+    samples again, not a seed of its own."""
+    if request.sampling.seed is not None:
+        return request
+    seed = random.getrandbits(63) if first_seed is None else first_seed
+    return msgspec.structs.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))
+
+
 def one_choice(request: GenerateRequest, index: int) -> GenerateRequest:
     """Choice `index` of an n-choice request as a request of its own: n = 1, and the seed the
     replica gave that choice (a seeded request derives it; an unseeded one's comes with the

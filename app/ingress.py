@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app import auth
 from app.config import AppConfig, admin_tokens_from_env, api_keys_from_env, check_adapter_name
 from app.controller import AUDIT_KEEP, ControllerClient, ControllerUnavailable, GraphController
-from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice
+from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice, with_request_seed
 from app.logs import send_app_logs_to_stderr
 from app.metrics import render
 from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
@@ -539,7 +539,8 @@ class Ingress:
         if not all([await self._fails_over(progress[i], failure) for i in going_on]):
             yield item
             return
-        continued = {i: self._resumable(one_choice(payload, i), adapter, progress[i], item) for i in going_on}
+        seeded = with_request_seed(payload, progress[0].seed)
+        continued = {i: self._resumable(one_choice(seeded, i), adapter, progress[i], item) for i in going_on}
         async for i, choice_item in merged(continued):
             if isinstance(choice_item, Failure):
                 yield choice_item

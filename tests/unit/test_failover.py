@@ -524,6 +524,27 @@ async def test_choices_lost_before_any_item_go_on_one_after_another_each_with_it
     assert log == [("sent", 7)] + [(kind, seed) for seed in seeds for kind in ("sent", "item")]  # 7: all 3, lost
 
 
+async def test_an_unseeded_choice_lost_before_its_first_chunk_goes_on_from_the_header_seed():
+    """Unseeded, the replica drew seed 9 for all three choices (choice 0's chunk carries it, and so
+    does the seed header): choice 2, whose replica died before its first chunk, goes on seeded from
+    9 as the replica seeded it (it went on unseeded and drew a seed the header does not give)."""
+    first = FakeResponse([choice(0, [1], seed=9), choice(1, [5], seed=choice_seed(9, 1)), ENGINE_DEAD])
+    going_on = {
+        (1,): FakeResponse([choice(0, [2], "r2", "length", seed=9)]),
+        (5,): FakeResponse([choice(0, [6], "r2", "length", seed=choice_seed(9, 1))]),
+        choice_seed(9, 2): FakeResponse([choice(0, [7], "r2", "length", seed=choice_seed(9, 2))]),
+    }
+    fake = choices_ingress(first, going_on, {"r1", "r2"})
+
+    async def drained() -> list[Item]:
+        return [item async for item in fake._choices(request(n=3), None)]
+
+    items = await asyncio.wait_for(drained(), 5)
+    assert sorted((item.index, item.text) for item in items if item.finish_reason) == [(0, "2"), (1, "6"), (2, "7")]
+    (fresh,) = [p for p in fake.llm.payloads[1:] if p.resume is None]
+    assert fresh.sampling.seed == choice_seed(9, 2)
+
+
 async def _drain_choices(fake) -> list[Item]:
     return [item async for item in fake._choices(N_CHOICES, None)]
 
