@@ -112,15 +112,13 @@ def test_an_adapter_check_during_a_swap_is_a_503_saying_so():
     assert answer == {"error": "replica r1 is swapping its model; retry", "status": 503}
 
 
-def test_the_replicas_status_carries_engine_counters_across_an_engine_restart():
-    """The replica's status (what the controller renders into /metrics) goes through its
-    CarriedCounters: an engine restarted in place starts its busy seconds and preemptions from zero,
-    and the replica's series keep counting from what they had."""
-    replica = SimpleNamespace(
+def reporting_replica(engine, **more) -> SimpleNamespace:
+    """What LLMReplica.status reads, on a stand-in engine."""
+    return SimpleNamespace(
         replica_id="r1",
         state="READY",
         metrics=RequestMetrics(),
-        engine=SimpleNamespace(restarts=0),
+        engine=engine,
         start_s=1.0,
         start_parts={},
         draining=False,
@@ -128,7 +126,15 @@ def test_the_replicas_status_carries_engine_counters_across_an_engine_restart():
         config=AppConfig.from_args({}),
         model_fallback=None,
         counters=CarriedCounters(),
+        **more,
     )
+
+
+def test_the_replicas_status_carries_engine_counters_across_an_engine_restart():
+    """The replica's status (what the controller renders into /metrics) goes through its
+    CarriedCounters: an engine restarted in place starts its busy seconds and preemptions from zero,
+    and the replica's series keep counting from what they had."""
+    replica = reporting_replica(SimpleNamespace(restarts=0))
 
     def reported(busy_s: float, preemptions: int) -> dict:
         kv = dataclasses.replace(KV, preemptions=preemptions)
@@ -169,20 +175,8 @@ def test_a_swap_carries_the_steps_its_drain_let_finish():
     """The counters are read after the drain, before the swap starts them again: the steps the
     drained streams ran since the last report were lost (17-53 decode rows a swap in a probe)."""
     engine = CountingEngine()
-    replica = SimpleNamespace(
-        replica_id="r1",
-        state="READY",
-        metrics=RequestMetrics(),
-        engine=engine,
-        start_s=1.0,
-        start_parts={},
-        draining=False,
-        swap_progress=None,
-        config=AppConfig.from_args({}),
-        model_fallback=None,
-        counters=CarriedCounters(),
-        tenant_of={},
-        controller=SimpleNamespace(notify=lambda method, replica_id, status: None),
+    replica = reporting_replica(
+        engine, tenant_of={}, controller=SimpleNamespace(notify=lambda method, replica_id, status: None)
     )
     for name in ("_swap", "_set_swap_step", "_drain", "_refresh_status", "status"):
         setattr(replica, name, getattr(LLMReplica, name).__get__(replica))
