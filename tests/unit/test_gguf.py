@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,8 +45,8 @@ def test_the_default_model_is_smollm2_converted_once(smollm2, monkeypatch):
 
 
 def test_smollm2_answers_like_transformers_on_the_same_file(smollm2):
-    """Greedy chat in fp32: the same tokens as transformers' generate on the GGUF file, and the
-    answer names Paris."""
+    """Greedy chat in fp32: the same tokens as transformers' generate on the converted checkpoint
+    (bf16 weights, as the conversion stores them), and the answer names Paris."""
     from transformers import AutoModelForCausalLM
 
     gguf, checkpoint = smollm2
@@ -83,3 +84,127 @@ def test_a_swap_between_a_gguf_file_and_its_checkpoint_loads_in_place(smollm2):
     gguf, checkpoint = smollm2
     as_file, as_dir = EngineConfig(model=str(gguf)), EngineConfig(model=str(checkpoint))
     assert _in_place(as_dir, as_file) and _in_place(as_file, as_dir)
+
+
+# ------------------------------------------------ files made by other tools (llama.cpp's layout)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tokenizer, a random Llama and where to write GGUF files of it."""
+    from tests.gguf_files import bpe_tokenizer, tiny_llama
+
+    tokenizer = bpe_tokenizer()
+    return tokenizer, tiny_llama(len(tokenizer["tokens"])), tmp_path_factory.mktemp("gguf")
+
+
+def test_a_llama_cpp_file_converts_to_its_own_weights_and_stops_at_its_end_of_turn(made, tmp_path):
+    """The weights come back as the model that was exported (llama.cpp's q/k row order undone), and
+    the end-of-turn token the file names (`tokenizer.ggml.eot_token_id`, Llama 3's <|eot_id|>) is
+    an end of sequence: transformers reads only the eos id, so a chat answer ran past its turn."""
+    from tests.gguf_files import write_gguf
+    from workers.modeling.config import load_config
+
+    tokenizer, model, root = made
+    checkpoint = converted(write_gguf(root / "plain" / "m.gguf", model, tokenizer), tmp_path)
+    cfg = load_config(checkpoint)
+    assert set(cfg.eos_token_ids) == {tokenizer["eos"], tokenizer["eot"]} and cfg.rope_type == "default"
+    from safetensors.torch import load_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "lm_head.weight"):
+        assert torch.allclose(weights[name].float(), model.state_dict()[name], atol=2e-3), name
+
+
+@pytest.mark.parametrize("what", ["tensors", "split"])
+def test_a_file_missing_tensors_is_refused_not_filled_with_random_weights(made, tmp_path, what):
+    """One shard of a gguf-split model, or an export short of some tensors: transformers loads it
+    with those weights at their random initial values (the final norm read all ones) and warns."""
+    from tests.gguf_files import write_gguf
+
+    tokenizer, model, root = made
+    if what == "tensors":
+        path = write_gguf(root / "short" / "m.gguf", model, tokenizer, drop=("blk.1.ffn_down.weight",))
+        message = r"lacks 1 of the model's tensors \(model.layers.1.mlp.down_proj.weight\)"
+    else:
+        write_gguf(root / "split" / "m.gguf", model, tokenizer, split_max_tensors=12)
+        path = sorted((root / "split").glob("*.gguf"))[0]
+        message = "split GGUF model"
+    with pytest.raises(CheckpointError, match=message):
+        converted(path, tmp_path)
+
+
+def test_files_that_differ_anywhere_are_converted_apart(made, tmp_path):
+    """Two exports of one size, the same but for a tensor in the middle of the file (a fine-tune of
+    the attention only), under one name: the second was served the first's conversion (the content
+    id read only each end of the file)."""
+    from safetensors.torch import load_file
+
+    from tests.gguf_files import tiny_llama, write_gguf
+
+    tokenizer, _, root = made
+    model = tiny_llama(len(tokenizer["tokens"]), intermediate_size=4096)  # 3 MB of MLP a layer
+    tuned = tiny_llama(len(tokenizer["tokens"]), intermediate_size=4096)
+    with torch.no_grad():
+        tuned.model.layers[1].self_attn.v_proj.weight.neg_()  # past layer 0's MLP, before layer 1's
+    base = converted(write_gguf(root / "base" / "m.gguf", model, tokenizer), tmp_path)
+    path = write_gguf(root / "tuned" / "m.gguf", tuned, tokenizer)
+    assert path.stat().st_size == (root / "base" / "m.gguf").stat().st_size
+    other = converted(path, tmp_path)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    assert other != base
+    assert torch.allclose(load_file(other / "model.safetensors")[name].float(), -model.state_dict()[name], atol=2e-3)
+    write_gguf(root / "base" / "m.gguf", tuned, tokenizer)  # replaced in place: converted again
+    assert converted(root / "base" / "m.gguf", tmp_path) == other.parent / f"m-{other.name.split('-')[-1]}"
+
+
+def llama3_factors(dims: int, factor: float, base: float = 10000.0) -> np.ndarray:
+    """Llama 3.1's per-frequency rope factors (transformers' llama3 rule, as llama.cpp stores them)."""
+    low, high, original = 1.0, 4.0, 8192
+    out = []
+    for i in range(0, dims, 2):
+        wavelen = 2 * np.pi * base ** (i / dims)
+        smooth = (original / wavelen - low) / (high - low)
+        out.append(
+            1.0
+            if wavelen < original / high
+            else factor
+            if wavelen > original / low
+            else 1 / ((1 - smooth) / factor + smooth)
+        )
+    return np.array(out, dtype=np.float32)
+
+
+def test_rope_scaling_in_the_file_is_served_and_one_graphserve_cannot_serve_is_refused(made, tmp_path):
+    """transformers drops a file's rope scaling (linear in the metadata, Llama 3.1's as a
+    rope_freqs tensor), so the model decoded with the wrong positions and no error."""
+    from tests.gguf_files import write_gguf
+    from workers.modeling.config import load_config
+
+    tokenizer, model, root = made
+    dims = model.config.hidden_size // model.config.num_attention_heads
+    linear = converted(write_gguf(root / "linear" / "m.gguf", model, tokenizer, rope_scaling=("linear", 4.0)), tmp_path)
+    cfg = load_config(linear)
+    assert (cfg.rope_type, cfg.rope_scaling["factor"], cfg.rope_theta) == ("linear", 4.0, 10000.0)
+    freqs = llama3_factors(dims, 32.0, base=10000.0)
+    llama3 = converted(write_gguf(root / "llama3" / "m.gguf", model, tokenizer, rope_freqs=freqs), tmp_path)
+    cfg = load_config(llama3)
+    assert cfg.rope_type == "llama3" and cfg.rope_scaling["factor"] == 32.0
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 8192
+    odd = write_gguf(root / "odd" / "m.gguf", model, tokenizer, rope_freqs=np.linspace(1, 3, dims // 2))
+    with pytest.raises(CheckpointError, match="rope_freqs"):
+        converted(odd, tmp_path)
+    yarn = write_gguf(root / "yarn" / "m.gguf", model, tokenizer, rope_scaling=("yarn", 4.0))
+    with pytest.raises(CheckpointError, match="'yarn' is not supported"):
+        converted(yarn, tmp_path)
+
+
+def test_a_file_cut_short_in_its_header_is_a_checkpoint_error(made, tmp_path):
+    from tests.gguf_files import write_gguf
+
+    tokenizer, model, root = made
+    whole = write_gguf(root / "whole" / "m.gguf", model, tokenizer).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:300])
+    with pytest.raises(CheckpointError, match="cannot be read as a GGUF checkpoint"):
+        converted(cut, tmp_path / "cache")
