@@ -108,7 +108,7 @@ class CarriedCounters:
             elif since is None:  # no engine stats in this status: what they had stays last
                 raw.setdefault(key, value)
                 carry = False
-            else:  # a series that vanished keeps its zeros too
+            else:  # new stats: every series the old ones had, those the new ones lack and zeros included
                 carry = since != self.since
             if carry:
                 self.base[key] = self.base.get(key, 0) + value
