@@ -24,7 +24,7 @@ from policies.dispatch import FallbackReason
 from policies.restarts import RestartBudget
 from workers.front.async_engine import EngineDeadError
 from workers.front.engine_process import EngineChild, EngineProcess
-from workers.modeling.checkpoint_dir import load_tokenizer
+from workers.modeling.checkpoint_dir import CheckpointError, load_tokenizer
 from workers.modeling.default_model import model_dir
 from workers.protocol import CheckAdapter, EngineRequest, EngineStatus, Gate, StreamEvent, SwapInPlace
 from workers.serving.engine_config import EngineConfig
@@ -53,7 +53,11 @@ def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
         return False
     from workers.serving.model_gate import same_shapes  # imports torch: a replica does only when it swaps
 
-    return same_shapes(model_dir(old.model), model_dir(new.model))
+    try:
+        serving = model_dir(old.model)
+    except CheckpointError:  # the serving model's file is gone or changed: the new one loads in a new engine
+        return False
+    return same_shapes(serving, model_dir(new.model))
 
 
 class LocalEngine:

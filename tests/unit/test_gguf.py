@@ -208,3 +208,19 @@ def test_a_file_cut_short_in_its_header_is_a_checkpoint_error(made, tmp_path):
     cut.write_bytes(whole[:300])
     with pytest.raises(CheckpointError, match="cannot be read as a GGUF checkpoint"):
         converted(cut, tmp_path / "cache")
+
+
+def test_a_swap_away_from_a_gguf_file_that_was_removed_loads_the_new_model_apart(made, tmp_path, monkeypatch):
+    """The serving model's file was moved after it was loaded: the swap compared shapes by
+    converting it again, and failed naming the model being left ('no such GGUF file')."""
+    from app.shards import _in_place
+    from tests.gguf_files import write_gguf
+
+    tokenizer, model, root = made
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path))
+    serving, target = (write_gguf(root / name / "m.gguf", model, tokenizer) for name in ("gone", "target"))
+    converted(serving, tmp_path)
+    as_file, other = EngineConfig(model=str(serving)), EngineConfig(model=str(target))
+    assert _in_place(as_file, other)
+    serving.unlink()
+    assert not _in_place(as_file, other)  # a new engine loads it (the old one cannot be read again)
