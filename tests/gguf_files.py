@@ -11,6 +11,8 @@ import gguf
 import numpy as np
 import torch
 
+from workers.modeling.synthetic import tiny_hf_config
+
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. 12345 " * 20
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 
@@ -37,23 +39,14 @@ def bpe_tokenizer() -> dict:
     }
 
 
-def tiny_llama(vocab: int, seed: int = 0, tied: bool = False, intermediate_size: int = 128):
-    """A random 2-layer Llama (GQA) whose logits are far from flat."""
+def tiny_llama(vocab: int, seed: int = 0, tied: bool = False, intermediate_size: int = 192):
+    """The tiny model's shape (`tiny_hf_config`) as a random transformers Llama whose logits are far
+    from flat."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tied,
-    )
-    model = LlamaForCausalLM(config)
+    config = {**tiny_hf_config(vocab), "intermediate_size": intermediate_size, "tie_word_embeddings": tied}
+    model = LlamaForCausalLM(LlamaConfig(**config))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.08 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
