@@ -451,9 +451,14 @@ class LLMEngine:
             return self._grant_adapter(seq) or (self._unpin_queued(seq) and self._grant_adapter(seq))
         except InvalidRequest as e:
             self.scheduler.finish(seq, "error")
-            self.stats.record_finish("error", None, None)
-            self._refused.append(TokenEvent(seq.request_id, [], "error", e))
+            self._refused.append(self._refusal(seq, e))
             return False
+
+    def _refusal(self, seq: Sequence, error: Exception) -> TokenEvent:
+        """The last event of a request refused after it was accepted, counted as it finished."""
+        seq.finish_reason = "error"
+        self.stats.record_finish("error", None, None)
+        return TokenEvent(seq.request_id, [], "error", error)
 
     def _unpin_queued(self, head: Sequence) -> bool:
         """Release the slots that requests queued behind the queue's `head` pinned when they
@@ -516,9 +521,7 @@ class LLMEngine:
                     continue
                 except (InvalidRequest, QueueFull) as e:
                     error = e
-            seq.finish_reason = "error"
-            self.stats.record_finish("error", None, None)
-            events[request_id] = TokenEvent(request_id, [], "error", error)
+            events[request_id] = self._refusal(seq, error)
 
     @torch.inference_mode()
     def step(self, first_tokens: Callable[[list[TokenEvent]], None] | None = None) -> list[TokenEvent]:
