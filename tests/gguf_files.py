@@ -68,8 +68,10 @@ def write_gguf(
     rope_scaling: tuple[str, float] | None = None,
     rope_freqs: np.ndarray | None = None,
     eot: bool = True,
+    matrices: type = np.float32,
 ) -> Path:
-    """`model` as llama.cpp would write it (F32 tensors), less the tensors named in `drop`; in shards
+    """`model` as llama.cpp would write it (F32 tensors, or its matrices in `matrices`: np.float16
+    for an F16 file, whose norms stay F32), less the tensors named in `drop`; in shards
     of `split_max_tensors` as gguf-split writes them; with rope scaling metadata (type, factor) and
     a `rope_freqs` tensor (Llama 3.1's scaling, as llama.cpp stores it) when given."""
     cfg = model.config
@@ -86,7 +88,7 @@ def write_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(0)
+    w.add_file_type(0 if matrices == np.float32 else 1)
     if rope_scaling:
         w.add_string(gguf.Keys.Rope.SCALING_TYPE.format(arch="llama"), rope_scaling[0])
         w.add_rope_scaling_factor(rope_scaling[1])
@@ -123,7 +125,7 @@ def write_gguf(
         tensors["rope_freqs.weight"] = rope_freqs.astype(np.float32)
     for name, array in tensors.items():
         if name not in drop:
-            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=matrices if array.ndim == 2 else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -113,7 +113,59 @@ def test_a_llama_cpp_file_converts_to_its_own_weights_and_stops_at_its_end_of_tu
 
     weights = load_file(checkpoint / "model.safetensors")
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "lm_head.weight"):
-        assert torch.allclose(weights[name].float(), model.state_dict()[name], atol=2e-3), name
+        assert torch.equal(weights[name], model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("matrices", [np.float32, np.float16])
+def test_a_float_file_converts_exactly_and_is_served_in_its_own_dtype(made, tmp_path, matrices):
+    """Every weight of an F32 or F16 file comes back exactly, and the checkpoint's dtype is the
+    file's: the conversion stored every file in bf16, so an F32 file was served bf16-rounded."""
+    from safetensors.torch import load_file
+
+    from tests.gguf_files import write_gguf
+
+    tokenizer, model, root = made
+    path = write_gguf(root / f"exact-{np.dtype(matrices).name}" / "m.gguf", model, tokenizer, matrices=matrices)
+    checkpoint = converted(path, tmp_path)
+    as_stored = torch.from_numpy(np.zeros(0, dtype=matrices)).dtype
+    weights = load_file(checkpoint / "model.safetensors")
+    for name, t in model.state_dict().items():
+        expected = t if t.dim() == 1 else t.to(as_stored).float()
+        assert torch.equal(weights[name].float(), expected), name
+    assert json.loads((checkpoint / "config.json").read_text())["dtype"] == str(as_stored).removeprefix("torch.")
+
+
+def test_an_f32_file_decodes_what_transformers_decodes_reading_the_file(made, tmp_path, monkeypatch):
+    """Greedy, the model's own dtype on both sides (fp32, not set on ours): the same tokens, with
+    the same logprobs to fp32 rounding (bf16-rounded weights moved them by ~1e-2)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_files import write_gguf
+
+    tokenizer, model, root = made
+    path = write_gguf(root / "served" / "m.gguf", model, tokenizer)
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path))
+    engine, _ = LLMEngine.from_config(EngineConfig(model=str(path), max_model_len=128, device="cpu", max_num_seqs=1))
+    prompt = [tokenizer["bos"], 17, 40, 99, 123, 250, 8, 61]
+    engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0))
+    tokens, logprobs = [], []
+    while engine.has_work():
+        for event in engine.step():
+            tokens += event.token_ids
+            logprobs += [lp.logprob for lp in event.logprobs]
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert tokens == out.sequences[0, len(prompt) :].tolist()
+    expected = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(out.logits, tokens)]
+    assert np.allclose(logprobs, expected, atol=1e-4), np.abs(np.subtract(logprobs, expected)).max()
 
 
 @pytest.mark.parametrize("what", ["tensors", "split"])

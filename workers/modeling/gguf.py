@@ -1,6 +1,12 @@
 """GGUF checkpoints (llama.cpp's single-file format), served by converting them once: transformers
-dequantizes the file, and its weights (in bf16), config, tokenizer and chat template are written as
-an ordinary safetensors checkpoint in the cache, which the normal loading path then serves.
+dequantizes the file, and its weights, config, tokenizer and chat template are written as an
+ordinary safetensors checkpoint in the cache, which the normal loading path then serves.
+
+A file of float tensors (F32, F16, BF16) converts without loss: each tensor is stored in the
+narrowest float type that holds its values exactly, and the checkpoint's dtype (what is served
+when `dtype` is not set) is the one holding most of its weights, so an F32 file is served in fp32,
+as llama.cpp and transformers compute it. A quantized file's dequantized weights are stored in
+bf16 (exact would take fp32, 8x the room of a 4-bit file).
 
 transformers refuses `save_pretrained` on a model loaded from GGUF, so the files are written here.
 What transformers leaves out of its reading is taken from the file's own metadata: rope scaling
@@ -28,7 +34,7 @@ from pathlib import Path
 from workers.modeling.checkpoint_dir import SUPPORTED_ARCHITECTURES, CheckpointError
 
 log = logging.getLogger(__name__)
-FORMAT = 3  # of what a conversion writes; a new one converts again (3: rope scaling, end-of-turn ids)
+FORMAT = 4  # of what a conversion writes; a new one converts again (4: float files kept exact)
 LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192  # Llama 3.1-3.3's
 
 
@@ -96,17 +102,17 @@ def converted(gguf_file: Path, cache: Path) -> Path:
         names = ", ".join(sorted(missing)[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{gguf_file}: the file lacks {len(missing)} of the model's tensors ({names})")
     config.architectures = [architecture]
-    config.dtype = "bfloat16"
     # the weights written are dense: a config still naming GGUF quantization would make transformers
     # load this checkpoint as packed GGUF weights
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     weights = {
-        name: t.to(torch.bfloat16).contiguous()
+        name: (t.to(torch.bfloat16) if facts["quantized"] else _narrowest_exact(t)).contiguous()
         for name, t in model.state_dict().items()
         if not (tied and name == "lm_head.weight")
     }
+    config.dtype = str(_most_weights(weights)).removeprefix("torch.")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     config.save_pretrained(tmp)
@@ -120,10 +126,29 @@ def converted(gguf_file: Path, cache: Path) -> Path:
     return target
 
 
+def _narrowest_exact(t):
+    """`t` (float32) in bf16 or fp16 where that holds every value exactly, else as it is."""
+    import torch
+
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = t.to(dtype)
+        if torch.equal(narrow.float(), t):
+            return narrow
+    return t
+
+
+def _most_weights(weights: dict):
+    """The dtype that holds most of the weights' values."""
+    count: dict = {}
+    for t in weights.values():
+        count[t.dtype] = count.get(t.dtype, 0) + t.numel()
+    return max(count, key=count.get)
+
+
 def _metadata(gguf_file: Path) -> dict:
     """What the conversion reads from the file itself: its split count, rope scaling (metadata, and
-    llama.cpp's `rope_freqs` factors), rope base and dimension, and its end-of-sequence and
-    end-of-turn token ids."""
+    llama.cpp's `rope_freqs` factors), rope base and dimension, its end-of-sequence and
+    end-of-turn token ids, and whether any tensor is quantized."""
     import gguf
 
     try:
@@ -145,6 +170,8 @@ def _metadata(gguf_file: Path) -> dict:
         }
         freqs = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         facts["rope_freqs"] = None if freqs is None else [float(x) for x in freqs.reshape(-1)]
+        floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+        facts["quantized"] = any(t.tensor_type not in floats for t in reader.tensors)
     except Exception as e:  # a header cut short, a damaged field: not a readable GGUF file
         raise CheckpointError(f"{gguf_file}: cannot be read as a GGUF checkpoint ({type(e).__name__}: {e})") from e
     if facts["split"] > 1:
