@@ -383,7 +383,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="free and constrained runs of each batch size, in turn")
     ap.add_argument("--save-tokenizer", help="write the tokenizer to this directory and stop (to carry it)")
     ap.add_argument("--out", default="bench/results/structured_output_h200.json")
+    ap.add_argument("--fill-threads", type=int, help="grammar.FILL_THREADS (default: the host's)")
+    ap.add_argument("--lineages", type=int, help="grammar.LINEAGES (default: the host's)")
     args = ap.parse_args()
+    grammar_module.FILL_THREADS = args.fill_threads or grammar_module.FILL_THREADS
+    grammar_module.LINEAGES = args.lineages or grammar_module.LINEAGES
     tokenizer = load_tokenizer(args.tokenizer)
     if args.save_tokenizer:
         tokenizer.save_pretrained(args.save_tokenizer)

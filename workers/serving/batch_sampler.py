@@ -206,6 +206,7 @@ class BatchSampler:
         ahead = [(s.grammar, s.slot) for s in seqs if s.grammar is not None and s.slot >= 0]
         if len(ahead) < AHEAD_MIN_ROWS:
             return
+        ahead.sort(key=lambda pair: pair[0].lineage)
         buffers = self._buffers(ahead[0][0].words)
         buffers.writable()
         self.masks.start([(g.matcher, slot) for g, slot in ahead], buffers.masks)

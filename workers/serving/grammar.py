@@ -13,13 +13,18 @@ model given free whitespace may never leave it. End-of-sequence tokens are allow
 grammar may end, and a sequence whose grammar is complete ends there (finish reason `stop`).
 
 A mask costs what llguidance's walk of the token trie costs, which depends on where the grammar is:
-a few microseconds where one token is forced, a fraction of a millisecond inside a free string,
-where most of the vocabulary is allowed. The masks of a batch with many constrained rows are
-filled ahead (`MaskFiller.start`): in a thread of the filler's own, as soon as the grammars have
-taken the step's tokens, while the engine ends that step and prepares and launches the next;
-llguidance holds no interpreter lock while it fills, and the sampler waits only where it applies
-them. One row after another: llguidance's own thread pool filled no faster on the H200's 16 cores
-nor on 2 (bench/results/structured_output_h200.md), and its threads took cores from the step.
+a few microseconds where one token is forced, a fraction of a millisecond inside a string of
+bounded length, where most of the vocabulary is allowed. The masks of a batch with many
+constrained rows are filled ahead (`MaskFiller.start`): in a thread of the filler's own, as soon as
+the grammars have taken the step's tokens, while the engine ends that step and prepares and
+launches the next; llguidance holds no interpreter lock while it fills, and the sampler waits only
+where it applies them. On a host of 8 cores or more the fill runs on llguidance's pool of
+`FILL_THREADS`. Its copies of one matcher share their parser state behind one lock (a pool filled
+32 copies no faster than one thread), so a schema is compiled into LINEAGES matchers apart
+(`CompiledSchema`), 4 per thread, and a sequence copies one of them in turn: on 16 cores a pool of 8
+filled 32 matchers compiled apart in half the time one thread took, and the engine's fill ahead of
+32 rows took half as long (`bench/results/mask_fill_scaling_*`, `structured_output_lineages_*`).
+Below 8 cores the fill stays on one thread (on 2, a pool filled 4x slower).
 The masks are as wide as the tokenizer's vocabulary, not the model's logits: the padded columns
 past it are banned by the apply without a bit of their own.
 """
@@ -42,6 +47,15 @@ from workers.serving.sampling import InvalidRequest
 COMPILE_THREADS = 4  # llguidance compiles without the interpreter lock
 
 
+def fill_threads(cores: int) -> int:
+    """llguidance threads a fill ahead runs on (and lineages a schema is compiled into)."""
+    return 1 if cores < 8 else min(8, cores // 2)
+
+
+FILL_THREADS = fill_threads(len(os.sched_getaffinity(0)))
+LINEAGES = 4 * FILL_THREADS if FILL_THREADS > 1 else 1  # matchers compiled apart per schema (`CompiledSchema`)
+
+
 def reason(matcher: llguidance.LLMatcher) -> str:
     """Why a matcher failed: the first line of its error (the rest is its parser's state)."""
     return matcher.get_error().split("\n", 1)[0]
@@ -51,12 +65,13 @@ class Grammar:
     """One sequence's place in its grammar; `words`: the int32 words of its token bitmask; `filled`:
     the bitmask row its mask for the place it is at was last written to (-1: none since it moved)."""
 
-    __slots__ = ("matcher", "words", "filled")
+    __slots__ = ("matcher", "words", "filled", "lineage")
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, words: int, lineage: int = 0) -> None:
         self.matcher = matcher
         self.words = words
         self.filled = -1
+        self.lineage = lineage  # the compiled matcher it was copied from (`CompiledSchema`)
 
     def accept(self, token: int) -> bool:
         """Advance by a drawn token; False if the grammar does not allow it (never for a masked draw)."""
@@ -77,6 +92,25 @@ class Grammar:
     @property
     def error(self) -> str:
         return reason(self.matcher)
+
+
+class CompiledSchema:
+    """A schema's grammar as matchers compiled apart, its lineages: a sequence copies one of them, in
+    turn. Copies of one share their parser state (and its lock), copies of two do not, so a pool
+    fills rows of different lineages at once. The first is compiled and checked before any
+    sequence starts; the others are added as they are compiled, in the background."""
+
+    __slots__ = ("matchers", "_turn")
+
+    def __init__(self, first: llguidance.LLMatcher) -> None:
+        self.matchers = [first]
+        self._turn = 0
+
+    def copy(self) -> tuple[llguidance.LLMatcher, int]:
+        """A new sequence's matcher, and the lineage it was copied from."""
+        lineage = self._turn % len(self.matchers)
+        self._turn += 1
+        return self.matchers[lineage].deep_copy(), lineage
 
 
 class GrammarCompiler:
@@ -108,7 +142,7 @@ class GrammarCompiler:
 
     def compile(self, schema: str) -> concurrent.futures.Future:
         """The compiled grammar of a canonical schema, as a future (done at once when cached): its
-        result is a matcher to copy per sequence, its exception an InvalidSchema."""
+        result is a CompiledSchema, its exception an InvalidSchema."""
         future = self._cache.get(schema)
         if future is not None:
             self._cache.move_to_end(schema)
@@ -119,8 +153,23 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return future
 
-    def _compile(self, schema: str) -> llguidance.LLMatcher:
-        """The matcher, its first mask computed on a copy: a schema no document satisfies (a `$ref`
+    def _compile(self, schema: str) -> CompiledSchema:
+        """Its first lineage, checked; the others are compiled next, one after another in one task
+        (a schema that takes long holds up one compile thread, not all)."""
+        compiled = CompiledSchema(self._matcher(schema))
+        if LINEAGES > 1:
+            try:
+                self._pool.submit(self._lineages, schema, compiled)
+            except RuntimeError:  # closed meanwhile: no sequence will copy it
+                pass
+        return compiled
+
+    def _lineages(self, schema: str, compiled: CompiledSchema) -> None:
+        for _ in range(LINEAGES - 1):
+            compiled.matchers.append(self._matcher(schema))
+
+    def _matcher(self, schema: str) -> llguidance.LLMatcher:
+        """A matcher, its first mask computed on a copy: a schema no document satisfies (a `$ref`
         to itself) fails there, here rather than in a sequence, and the first mask's lazy set-up is
         done off the step loop."""
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar_of(schema), log_level=0)
@@ -142,9 +191,10 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def grammar(self, compiled: llguidance.LLMatcher) -> Grammar:
+    def grammar(self, compiled: CompiledSchema) -> Grammar:
         """A sequence's own grammar state, at its start."""
-        return Grammar(compiled.deep_copy(), self.mask_words)
+        matcher, lineage = compiled.copy()
+        return Grammar(matcher, self.mask_words, lineage)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -168,12 +218,12 @@ class MaskFiller:
 
     @property
     def executor(self) -> llguidance.LLExecutor:
-        """llguidance's executor of one thread: a fill ahead is one call for the batch, so the fill
+        """llguidance's executor of FILL_THREADS: a fill ahead is one call for the batch, so the fill
         thread takes the interpreter lock once a fill, not once a row against the step loop's Python."""
         if self._pid != os.getpid():
             self._reset()
         if self._executor is None:
-            self._executor = llguidance.LLExecutor(1)
+            self._executor = llguidance.LLExecutor(FILL_THREADS)
         return self._executor
 
     def fill(self, grammars: list[Grammar], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
@@ -186,7 +236,8 @@ class MaskFiller:
 
     def start(self, pairs: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> None:
         """In the fill thread, row r of `bitmask` gets matcher m's allowed tokens for each (m, r) of
-        `pairs`; returns at once (after any fill still running)."""
+        `pairs` (in lineage order: the pool gives each thread a run of neighbours); returns at once
+        (after any fill still running)."""
         self.wait()
         executor = self.executor
         if self._jobs is None:
