@@ -26,7 +26,15 @@ from app.controller import AUDIT_KEEP, ControllerClient, ControllerUnavailable, 
 from app.failover import FAILOVER_TIMEOUT_S, Progress, merged, one_choice, with_request_seed
 from app.logs import send_app_logs_to_stderr
 from app.metrics import render
-from app.openai_protocol import ChatRequest, Choice, CompletionRequest, ResponseShape, error_body, error_response
+from app.openai_protocol import (
+    ChatRequest,
+    Choice,
+    CompletionRequest,
+    ResponseShape,
+    error_body,
+    error_response,
+    out_of_range,
+)
 from app.readiness import ReadinessView
 from policies.admission import admits
 from policies.graph_policy import GraphPolicy
@@ -438,7 +446,7 @@ class Ingress:
         try:
             encode(payload)
         except (OverflowError, msgspec.EncodeError) as e:  # an integer no engine could hold (a token id of 2**70)
-            return error_response(400, f"a number in the request is out of range: {e}")
+            return error_response(400, f"a number in the request is out of range: {e}", out_of_range(body))
         if not admits(self._sequences, req.n, len(serving) or 1, self.config.max_num_seqs, self.config.max_waiting):
             return error_response(
                 503,

@@ -43,6 +43,19 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+def out_of_range(body: object, path: tuple = ()) -> str | None:
+    """The path in a request body of its first integer outside what crosses to a replica (int64 to
+    uint64: msgspec's), for the 400 that names it; None where there is none."""
+    if isinstance(body, int) and not isinstance(body, bool):
+        return ".".join(map(str, path)) if not -(2**63) <= body < 2**64 else None
+    items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
+    for key, value in items:
+        found = out_of_range(value, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error JSON (also the last event of a stream that failed)."""
     kind = {
@@ -305,7 +318,8 @@ class ChatMessage(BaseModel):
 
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart] | None = None
+    # validated when left out too: only an assistant message may go without content
+    content: StrictStr | list[TextPart] | None = Field(None, validate_default=True)
     name: StrictStr | None = None
     refusal: StrictStr | None = None
     tool_calls: NoToolCalls = None

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 import app.ingress
 from app.ingress import BodyError, _admin_json, _json_body, _validation_message, api, validated
-from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape
+from app.openai_protocol import STOP_MAX_CHARS, ChatRequest, Choice, CompletionRequest, ResponseShape, out_of_range
 from workers.protocol import ChoiceChunk, LogprobItem
 from workers.serving.detokenizer import DetokState
 
@@ -259,6 +259,12 @@ def test_what_common_clients_send_is_served():
             "tool calling is not supported",
         ),
         ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", "content is required in a user"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content", "content is required in a user"),
+        (
+            {"messages": [{"role": "developer"}, {"role": "user", "content": "hi"}]},
+            "messages.0.content",
+            "content is required in a developer",
+        ),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),
     ],
 )
@@ -704,3 +710,10 @@ def test_starlettes_errors_are_openais_with_their_headers():
         r = http.post("http://testserver//v1/chat/nowhere")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         assert http.get("/nowhere").json() == {"detail": "Not Found"}
+
+
+def test_the_first_integer_beyond_what_crosses_to_a_replica_is_named_by_its_path():
+    assert out_of_range({"max_tokens": 2**70}) == "max_tokens"
+    assert out_of_range({"prompt": [1, 2, -(2**63) - 1]}) == "prompt.2"
+    assert out_of_range({"messages": [{"role": "user", "content": "x"}], "n": 2**64, "seed": 2**64 - 1}) == "n"
+    assert out_of_range({"max_tokens": 2**64 - 1, "stream": True, "prompt": [[0, -(2**63)]]}) is None

@@ -242,6 +242,23 @@ def test_top_p_tiny_keeps_only_the_top_token():
     assert set(drawn.tolist()) == {logits.argmax().item()}
 
 
+def test_a_top_p_that_rounds_to_zero_in_fp32_keeps_the_top_token():
+    """1e-300 is a valid top_p (in (0, 1]) that fp32 holds as 0: it cut every token, and the draw
+    of a row of -inf was token 0."""
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(7))
+    drawn = sample(logits.expand(8, V), [SamplingParams(top_p=1e-300)] * 8, list(range(8)), [0] * 8)
+    assert set(drawn.tolist()) == {logits.argmax().item()}
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300, 5e-6])
+def test_a_temperature_too_small_to_divide_by_draws_greedily(temperature):
+    """1e-39 is a valid temperature (in [0, 2]) that fp32 logits divided by it turn into infinities:
+    the draw was the first token with a positive logit."""
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(8)) * 3
+    params = [SamplingParams(temperature=temperature, top_p=0.9)] * 8
+    assert sample(logits, params, list(range(8)), [0] * 8).tolist() == logits.argmax(-1).tolist()
+
+
 def test_top_k_then_top_p():
     """Top-k is applied first, then top-p over the renormalised top-k mass: the kept set equals
     that reference, and sampled tokens stay in it."""

@@ -12,6 +12,9 @@ from typing import NamedTuple
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request at most: each costs host work every step
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as: JSON has no infinity
+# temperatures below this draw greedily: dividing fp32 logits by 1e-39 gives infinities, not a sharper
+# distribution, and at 1e-5 the draw is the argmax anyway unless two logits tie within ~1e-4
+GREEDY_BELOW = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -78,7 +81,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -51,8 +51,10 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     values = values.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
     probs = values.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    # Rows without top-p keep everything: float rounding of the cumulative mass must not cut their tail.
-    values = values.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
+    # Rows without top-p keep everything: float rounding of the cumulative mass must not cut their tail;
+    # every row keeps its top token (a top_p that rounds to 0 in fp32 would cut it too).
+    cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks[None, :] > 0)
+    values = values.masked_fill(cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, values)
 
 
