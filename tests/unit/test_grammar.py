@@ -259,52 +259,49 @@ def test_a_fill_runs_on_one_thread_below_8_cores_and_on_half_of_them_up_to_8():
     assert [fill_threads(n) for n in (1, 2, 4, 7, 8, 12, 16, 64)] == [1, 1, 1, 1, 4, 6, 8, 8]
 
 
-def test_a_schema_is_compiled_into_lineages_that_sequences_copy_in_turn(monkeypatch):
+@pytest.fixture
+def three_lineages(monkeypatch):
+    """A schema compiled on a host of 3 fill threads, and 3 lineages: (compiler, its CompiledSchema),
+    every lineage compiled."""
+    monkeypatch.setattr(grammar_module, "LINEAGES", 3)
+    monkeypatch.setattr(grammar_module, "FILL_THREADS", 3)
+    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH)
+    compiled = compiler.compile(canonical_schema(PERSON)).result()
+    deadline = time.monotonic() + 30
+    while len(compiled.matchers) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield compiler, compiled
+    compiler.close()
+
+
+def test_a_schema_is_compiled_into_lineages_that_sequences_copy_in_turn(three_lineages):
     """On a host of FILL_THREADS > 1, copies of one llguidance matcher share their parser state (a
-    pool filled them one after another): a schema compiles into that many matchers apart, the
+    pool filled them one after another): a schema compiles into LINEAGES matchers apart, the
     first before any sequence starts, and sequences copy them in turn."""
-    monkeypatch.setattr(grammar_module, "LINEAGES", 3)
-    monkeypatch.setattr(grammar_module, "FILL_THREADS", 3)
-    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH)
-    try:
-        compiled = compiler.compile(canonical_schema(PERSON)).result()
-        deadline = time.monotonic() + 30
-        while len(compiled.matchers) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len({id(m) for m in compiled.matchers}) == 3
-        grammars = [compiler.grammar(compiled) for _ in range(7)]
-        assert [g.lineage for g in grammars] == [0, 1, 2, 0, 1, 2, 0]
-        grammars[0].replay(ids('{"name": "'))  # a copy's place is its own, whatever its lineage
-        assert texts(allowed(grammars[3])) == {"{"} and texts(allowed(grammars[1])) == {"{"}
-    finally:
-        compiler.close()
+    compiler, compiled = three_lineages
+    assert len({id(m) for m in compiled.matchers}) == 3
+    grammars = [compiler.grammar(compiled) for _ in range(7)]
+    assert [g.lineage for g in grammars] == [0, 1, 2, 0, 1, 2, 0]
+    grammars[0].replay(ids('{"name": "'))  # a copy's place is its own, whatever its lineage
+    assert texts(allowed(grammars[3])) == {"{"} and texts(allowed(grammars[1])) == {"{"}
 
 
-def test_a_pooled_fill_ahead_over_lineages_fills_what_a_fill_now_does(monkeypatch):
-    monkeypatch.setattr(grammar_module, "LINEAGES", 3)
-    monkeypatch.setattr(grammar_module, "FILL_THREADS", 3)
-    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH)
-    try:
-        compiled = compiler.compile(canonical_schema(PERSON)).result()
-        deadline = time.monotonic() + 30
-        while len(compiled.matchers) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        sampler = BatchSampler(12, WIDTH, torch.device("cpu"))
-        seqs = []
-        for n in range(9):
-            seq = new_sequence([1], SamplingParams(max_tokens=64, json_schema=canonical_schema(PERSON)))
-            seq.slot, seq.grammar = 11 - n, compiler.grammar(compiled)
-            seq.grammar.replay(ids(DOCUMENT)[: 4 * n])
-            seqs.append(seq)
-        sampler.fill_ahead(seqs)
-        sampler.settle()
-        ahead = sampler.bitmasks.masks.clone()
-        now = torch.zeros_like(ahead)
-        MaskFiller().fill([s.grammar for s in seqs], now, [s.slot for s in seqs])
-        assert torch.equal(ahead[3:], now[3:]) and ahead[3:].any(dim=1).all()
-        assert all(sampler.bitmasks.holds(s.grammar, s.slot) for s in seqs)
-    finally:
-        compiler.close()
+def test_a_pooled_fill_ahead_over_lineages_fills_what_a_fill_now_does(three_lineages):
+    compiler, compiled = three_lineages
+    sampler = BatchSampler(12, WIDTH, torch.device("cpu"))
+    seqs = []
+    for n in range(9):
+        seq = new_sequence([1], SamplingParams(max_tokens=64, json_schema=canonical_schema(PERSON)))
+        seq.slot, seq.grammar = 11 - n, compiler.grammar(compiled)
+        seq.grammar.replay(ids(DOCUMENT)[: 4 * n])
+        seqs.append(seq)
+    sampler.fill_ahead(seqs)
+    sampler.settle()
+    ahead = sampler.bitmasks.masks.clone()
+    now = torch.zeros_like(ahead)
+    MaskFiller().fill([s.grammar for s in seqs], now, [s.slot for s in seqs])
+    assert torch.equal(ahead[3:], now[3:]) and ahead[3:].any(dim=1).all()
+    assert all(sampler.bitmasks.holds(s.grammar, s.slot) for s in seqs)
 
 
 # -- the sampler applying the masks --------------------------------------------------------------
