@@ -160,6 +160,9 @@ def test_weights_loaded_after_the_slots_reach_the_layers_gemm(base, tmp_path):
         ({"layer_replication": [[0, 2], [1, 2]]}, "layer_replication"),
         ({"use_qalora": True}, "use_qalora"),
         ({"target_parameters": ["mlp.experts.down_proj"]}, "target_parameters"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights"),
+        ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights"),
+        ({"init_lora_weights": "loftq"}, "init_lora_weights"),
     ],
 )
 def test_what_cannot_be_served_is_refused_naming_the_field(base, tmp_path, change, field):
@@ -169,6 +172,26 @@ def test_what_cannot_be_served_is_refused_naming_the_field(base, tmp_path, chang
     (path / "adapter_config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(AdapterError, match=field):
         load_adapter(path, "bad", load_config(base), MAX_RANK)
+
+
+def test_an_adapter_whose_initialisation_rewrites_the_base_is_refused_and_others_are_not(base, tmp_path):
+    """PiSSA (as peft saves it by default) is served by PEFT on base weights it rewrites as it
+    loads: on the unchanged base it served other tokens, silently. Initialisations that leave the
+    base alone load."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"], init_lora_weights="pissa")
+    ).save_pretrained(tmp_path / "pissa")
+    with pytest.raises(AdapterError, match="init_lora_weights: 'pissa' rewrites the base"):
+        load_adapter(tmp_path / "pissa", "pissa", load_config(base), MAX_RANK)
+    path = attn_adapter(base, tmp_path / "plain")
+    config = json.loads((path / "adapter_config.json").read_text())
+    for init in (True, False, "gaussian", "orthogonal"):
+        (path / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": init}))
+        load_adapter(path, "plain", load_config(base), MAX_RANK)
 
 
 def test_added_tokens_and_missing_halves_are_refused(base, tmp_path):

@@ -86,10 +86,17 @@ VARIANT_FIELDS = (
 )
 
 
+# init_lora_weights values with which PEFT rewrites the base weights as it loads the adapter (the
+# residual W - BA of the weights' own decomposition): served on the unchanged base they are wrong.
+# Converted (save_pretrained's path_initial_model_for_weight_conversion) they are plain adapters.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
 class AdapterConfig(BaseModel):
     """The fields of PEFT's adapter_config.json that change what an adapter computes. Others
-    (task_type, base_model_name_or_path, inference_mode, lora_dropout, initialisation, ...) do not;
-    they are kept apart (`model_extra`) and only the `VARIANT_FIELDS` among them are looked at."""
+    (task_type, base_model_name_or_path, inference_mode, lora_dropout, ...) do not; they are kept
+    apart (`model_extra`) and only the `VARIANT_FIELDS` and `init_lora_weights` among them are
+    looked at."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -136,6 +143,13 @@ def refusal(config: AdapterConfig, max_rank: int) -> str | None:
     for field in VARIANT_FIELDS:
         if extra.get(field):
             return f"{field}: this LoRA variant is not supported ({extra[field]!r})"
+    init = extra.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        return (
+            f"init_lora_weights: {init!r} rewrites the base model's weights as PEFT loads the adapter; "
+            "save it converted to a plain LoRA (save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...)) to serve it on the base model"
+        )
     if config.r > max_rank:
         return f"r: rank {config.r} is above max_lora_rank {max_rank}"
     return None
