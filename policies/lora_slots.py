@@ -5,7 +5,9 @@ moment it is accepted until it finishes (the engine releases the pins of queued 
 head of its queue finds every slot pinned, so none waits behind those queued after it); an adapter
 not pinned by any request stays loaded (a later request finds it without loading) until its slot is
 needed for another: the least recently used unpinned adapter is evicted. A pinned slot is never
-evicted, so when every slot is pinned a request for yet another adapter waits."""
+evicted, so when every slot is pinned a request for yet another adapter waits. An adapter dropped
+while requests pin its slot (its files changed under it) is found by no later request; its slot
+serves the requests that pin it and is free once they finish."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class AdapterSlots:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self.holder: dict[int, AdapterKey] = {}  # slot -> the adapter in it
+        self.dropped: set[int] = set()  # slots of dropped adapters that requests still pin
         self.pins: dict[int, int] = {}  # slot -> requests using it
         self._used: dict[int, int] = {}  # slot -> when it was last pinned or released
         self._clock = 0
@@ -49,7 +52,7 @@ class AdapterSlots:
         if slot is not None:
             self._pin(slot)
             return Grant(slot, load=False)
-        free = [s for s in range(1, self.max_loras + 1) if s not in self.holder]
+        free = [s for s in range(1, self.max_loras + 1) if s not in self.holder and s not in self.dropped]
         if free:
             slot, evicted = free[0], None
         else:
@@ -66,13 +69,19 @@ class AdapterSlots:
         """A request that pinned `slot` has finished."""
         self.pins[slot] -= 1
         self._touch(slot)
+        if not self.pins[slot]:
+            self.dropped.discard(slot)
 
     def drop(self, key: AdapterKey) -> None:
-        """Forget an adapter that failed to load or verify: its slot is free once no request pins
-        it (a pinned slot keeps serving its requests until they finish)."""
+        """Forget an adapter (one that failed to load or verify, or whose files changed): no later
+        request finds it; its slot is free once no request pins it (a pinned slot keeps serving its
+        requests until they finish)."""
         slot = self.slot_of(key)
-        if slot is not None and not self.pins.get(slot):
-            del self.holder[slot]
+        if slot is None:
+            return
+        del self.holder[slot]
+        if self.pins.get(slot):
+            self.dropped.add(slot)
 
     def report(self) -> dict[str, dict[str, int]]:
         """Loaded adapters by name: their slot and how many requests use them."""

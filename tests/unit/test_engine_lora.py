@@ -322,6 +322,30 @@ def test_check_adapter_loads_and_verifies_without_a_request(tiny, adapters):
         engine.check_adapter("missing", "/nonexistent/adapter")
 
 
+def test_an_adapter_retrained_into_the_same_directory_is_loaded_again(tiny, adapters, tmp_path):
+    """The slot holding (name, path) served the weights it loaded first for as long as it held
+    them: a user who saved a retrained adapter over the old one, or replaced the directory, got the
+    old adapter's tokens (and a damaged replacement passed registration without being read). A
+    request running with the old load keeps it to its end."""
+    import shutil
+
+    path = tmp_path / "sql"
+    shutil.copytree(adapters["attn"], path)
+    engine = lora_engine(tiny)
+    running = engine.add_request(PROMPTS[2], GREEDY, adapter=("sql", str(path)))
+    engine.step()
+    shutil.rmtree(path)
+    shutil.copytree(adapters["mlp"], path)  # copy2 keeps the files' modification times
+    after = run(engine, [(PROMPTS[0], "sql")], {"sql": str(path)})
+    assert after == run(lora_engine(tiny), [(PROMPTS[0], "mlp")], adapters)
+    assert running.output_ids == run(lora_engine(tiny), [(PROMPTS[2], "attn")], adapters)[0]
+    assert engine.adapter_slots.dropped == set() and len(engine.adapter_slots.holder) == 1
+    (path / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(InvalidRequest, match="adapter 'sql' cannot be served"):
+        engine.check_adapter("sql", str(path))
+    assert run(engine, [(PROMPTS[1], None)], adapters)  # it keeps serving
+
+
 def test_rows_denied_graphs_decode_eager_with_their_adapter(tiny, adapters, monkeypatch):
     """A tenant's graph denial (or a rollout holdback) sends its rows eager, adapter and all: the
     same tokens as when they replay, next to rows that replay in the same steps."""

@@ -35,12 +35,28 @@ def test_a_new_path_under_an_old_name_is_a_new_adapter():
     assert slots.acquire(("a", "/a-v2")).slot == 2
 
 
-def test_drop_frees_an_idle_slot_and_leaves_a_pinned_one_serving():
+def test_drop_frees_an_idle_slot_and_leaves_a_pinned_one_serving_only_its_requests():
     slots = AdapterSlots(1)
     slots.acquire(A)
     slots.drop(A)
-    assert slots.slot_of(A) == 1  # its request still runs with it
+    assert slots.slot_of(A) is None  # no later request finds it
+    assert slots.acquire(B) is None  # its request still runs with it: the slot is not free
     slots.release(1)
-    slots.drop(A)
-    assert slots.slot_of(A) is None
     assert slots.acquire(B) == Grant(1, load=True)
+    slots.release(1)
+    slots.drop(B)
+    assert slots.slot_of(B) is None and slots.acquire(A) == Grant(1, load=True)
+
+
+def test_an_adapter_dropped_while_pinned_keeps_its_slot_for_its_requests_and_no_later_one():
+    slots = AdapterSlots(2)
+    old = slots.acquire(("a", "/p"))
+    assert old.load and old.slot == 1
+    slots.drop(("a", "/p"))  # its files changed while a request ran with them
+    new = slots.acquire(("a", "/p"))
+    assert new.load and new.slot == 2  # not slot 1: its request still reads it
+    assert slots.acquire(("b", "/q")) is None  # slot 1 is neither free nor evictable while pinned
+    slots.release(old.slot)
+    assert slots.dropped == set()
+    b = slots.acquire(("b", "/q"))
+    assert b.load and b.slot == 1 and b.evicted is None

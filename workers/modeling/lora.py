@@ -200,6 +200,21 @@ def _named(field: str, config: AdapterConfig, name: str) -> bool:
     return any(name == m or name.endswith("." + m) for m in modules)
 
 
+def adapter_version(path: str | Path) -> tuple:
+    """What tells two versions of the files at an adapter's path apart without reading them: each
+    file's size, modification time and inode (a retrained adapter saved over the old one, or a
+    directory replaced by another, changes one of them)."""
+    out = []
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            st = (Path(path) / name).stat()
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
 def load_adapter(
     path: str | Path, name: str, cfg: ModelConfig, max_rank: int, device: torch.device | str = "cpu"
 ) -> LoraAdapter:

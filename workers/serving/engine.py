@@ -25,7 +25,7 @@ from workers.modeling.checkpoint import load_model, model_revision
 from workers.modeling.checkpoint_dir import load_tokenizer
 from workers.modeling.config import DTYPES, ModelConfig, load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
-from workers.modeling.lora import AdapterError, load_adapter
+from workers.modeling.lora import AdapterError, adapter_version, load_adapter
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
 from workers.serving.batch_sampler import BatchSampler
@@ -197,6 +197,7 @@ class LLMEngine:
         self.adapter_slots = AdapterSlots(model.lora.max_loras) if model.lora else None
         self._adapter_loads = 0  # adapters loaded into slots so far: each load's generation
         self._slot_generation: dict[int, int] = {}  # slot -> the generation of the load it holds
+        self._slot_files: dict[int, tuple] = {}  # slot -> the version of the files it loaded (`adapter_version`)
         self._refused: list[TokenEvent] = []  # requests whose adapter failed to load at admission
         self.grammars = grammar_compiler(tokenizer, self.eos_token_ids, model.cfg.vocab_size)
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # waiting for their grammar
@@ -389,6 +390,12 @@ class LLMEngine:
         if seq.adapter_slot:
             return True
         grant = self.adapter_slots.acquire(seq.adapter)
+        if grant is not None and not grant.load and self._slot_files.get(grant.slot) != adapter_version(seq.adapter[1]):
+            # its files changed since they were loaded (an adapter retrained into the same directory):
+            # this request and later ones load them again; requests of the old load keep their slot
+            self.adapter_slots.release(grant.slot)
+            self.adapter_slots.drop(seq.adapter)
+            grant = self.adapter_slots.acquire(seq.adapter)
         if grant is None:
             return False
         if grant.load:
@@ -410,6 +417,7 @@ class LLMEngine:
         replay what eager computes. Nothing is captured again: the graphs read the slots."""
         name, path = key
         lora = self.model.lora
+        version = adapter_version(path)  # before the read: a change during it loads again next time
         adapter = load_adapter(path, name, self.model.cfg, lora.max_rank, self.device)
         lora.check(adapter)  # before the followers are told: they must not fail where rank 0 refuses
         others = sorted(s for s in self.adapter_slots.holder if s != slot)
@@ -425,6 +433,7 @@ class LLMEngine:
             raise AdapterError(f"verification: a probe step with it did not replay what eager computes: {why}")
         self._adapter_loads += 1
         self._slot_generation[slot] = self._adapter_loads  # KV cached with an earlier load is not reused
+        self._slot_files[slot] = version
         self.stats.record_adapter_load("loaded", loaded)
 
     def forget_adapters(self) -> None:
