@@ -194,6 +194,18 @@ def test_an_adapter_whose_initialisation_rewrites_the_base_is_refused_and_others
         load_adapter(path, "plain", load_config(base), MAX_RANK)
 
 
+def test_nulls_and_a_missing_alpha_read_as_peft_reads_them(base, tmp_path):
+    """Configs written by other tools: null where PEFT takes its default, and no lora_alpha (PEFT's
+    default is 8) were refused as a validation error."""
+    path = attn_adapter(base, tmp_path / "adapter")
+    config = json.loads((path / "adapter_config.json").read_text())
+    nulls = dict.fromkeys(("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "bias"))
+    (path / "adapter_config.json").write_text(json.dumps({**config, **nulls}))
+    assert load_adapter(path, "a", load_config(base), MAX_RANK).scaling == config["lora_alpha"] / config["r"]
+    (path / "adapter_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "lora_alpha"}))
+    assert load_adapter(path, "a", load_config(base), MAX_RANK).scaling == 8 / config["r"]
+
+
 def test_added_tokens_and_missing_halves_are_refused(base, tmp_path):
 
     path = attn_adapter(base, tmp_path / "adapter")

@@ -27,11 +27,11 @@ import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from safetensors import SafetensorError, safe_open
 
 from workers.modeling import lora_kernels
@@ -102,7 +102,7 @@ class AdapterConfig(BaseModel):
 
     peft_type: str = "LORA"
     r: int = Field(ge=1)
-    lora_alpha: float
+    lora_alpha: float = 8  # PEFT's default
     target_modules: list[str] | str
     exclude_modules: list[str] | str | None = None
     use_rslora: bool = False
@@ -113,6 +113,12 @@ class AdapterConfig(BaseModel):
     rank_pattern: dict = {}
     alpha_pattern: dict = {}
     layers_to_transform: list[int] | int | None = None
+
+    @field_validator("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "bias", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v: Any, info: ValidationInfo) -> Any:
+        """null where PEFT reads its default (configs written by other tools)."""
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True) if v is None else v
 
     @field_validator("peft_type")
     @classmethod
