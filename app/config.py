@@ -186,7 +186,8 @@ class AppConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         8192,
         ge=1,
-        description="tokens one engine step carries at most: one per decoding sequence, the rest prompt. A prompt "
+        description="tokens one engine step carries: one per decoding sequence, the rest prompt (at least a KV "
+        "page of prompt goes in every step, so with as many sequences decoding a step may carry more). A prompt "
         "longer than what is left is prefilled in chunks over several steps while the running sequences keep "
         "decoding (chunked prefill): smaller bounds the inter-token latency a long prompt adds to running streams, "
         "larger lets a burst of prompts in sooner",

@@ -36,6 +36,13 @@ class EngineConfig:
     lora: LoraLimits | None = None  # adapter slots; None: LoRA off, and it costs nothing
     enable_prefix_caching: bool = True  # reuse the KV pages of a cached prompt prefix (`kv_blocks.py`)
 
+    def __post_init__(self) -> None:
+        """Limits that cannot work, refused naming the key (others where their part is built)."""
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
     def batch_limit(self, device: torch.device) -> int:
         if self.max_num_seqs is not None:
             return self.max_num_seqs
