@@ -15,6 +15,7 @@ import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.front.async_engine import AsyncEngine
+from workers.serving import grammar as grammar_module
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import GrammarCompiler
@@ -85,6 +86,27 @@ def test_constrained_requests_write_what_their_schema_accepts_and_stop_when_comp
         assert seq.finish_reason == "stop" and not set(seq.output_ids) & set(tiny.eos_token_ids)
     assert [s.output_ids for s in seqs[:4]] == [s.output_ids for s in seqs[4:]]
     assert len({text(tiny, s.output_ids) for s in seqs[:4]}) > 1
+
+
+def test_masks_filled_by_a_pool_over_lineages_draw_what_one_thread_draws(tiny, monkeypatch):
+    """Hosts of 8 cores or more fill a batch's masks on llguidance's pool, over matchers compiled
+    apart (lineages): a batch past the fill-ahead threshold draws token for token what it draws
+    on a host that fills on one thread."""
+    requests = [(prompt(i % 4), constrained(**kw)) for i, kw in enumerate(SAMPLING * 3)]
+    one_thread = [s.output_ids for s in run(engine_for(tiny, max_num_seqs=12), requests)[0]]
+    monkeypatch.setattr(grammar_module, "FILL_THREADS", 2)
+    monkeypatch.setattr(grammar_module, "LINEAGES", 3)
+    pooled = []  # rows of each fill ahead
+    run_fill = grammar_module._run_fill
+
+    def counted(executor, pairs, *rest):
+        pooled.append(len(pairs))
+        return run_fill(executor, pairs, *rest)
+
+    monkeypatch.setattr(grammar_module, "_run_fill", counted)
+    seqs, _ = run(engine_for(tiny, max_num_seqs=12), requests)
+    assert [s.output_ids for s in seqs] == one_thread
+    assert pooled and max(pooled) == 12  # the whole batch was filled ahead
 
 
 def test_free_requests_draw_the_same_beside_constrained_ones(tiny):
