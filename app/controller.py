@@ -907,7 +907,7 @@ class ControllerClient:
             except ray.exceptions.RayActorError:
                 self.handle = controller_handle(self.config)
                 return await self._call(timeout_s, method.__name__, args, kwargs)
-        except (TimeoutError, CallExpired):
+        except (TimeoutError, CallExpired, ray.exceptions.RayActorError):  # died again: restarting still
             message = f"the controller did not answer {method.__name__} within {timeout_s:g} s"
             raise ControllerUnavailable(message) from None
 

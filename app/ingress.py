@@ -291,7 +291,7 @@ async def _chain_items(first: ChoiceChunk, items: AsyncGenerator[Item]) -> Async
 class AdapterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: StrictStr
-    path: StrictStr = Field(min_length=1, max_length=MAX_PATH_CHARS)
+    path: StrictStr = Field(min_length=1, max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$")  # no path holds NUL
 
     @field_validator("name")
     @classmethod

@@ -31,7 +31,7 @@ DONE = ("serving", "reverted")
 class SwapRequest(BaseModel):
     """The body of POST /admin/model."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # 1e999 parses as inf: not a timeout
 
     # a checkpoint directory every replica can read (no NUL: no path holds one)
     model: StrictStr = Field(min_length=1, max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$")

@@ -32,10 +32,11 @@ MAX_INTERVAL_S = 3600.0
 MAX_HOLD_S = 30 * 24 * 3600.0
 MAX_STEPS = 100
 MAX_SALT_CHARS = 256
+MAX_COUNT = 10**9  # of samples or failed evaluations a guard may ask for
 
 
 class RolloutStep(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "50" is not a percent
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)  # "50" is not a percent
 
     percent: float = Field(ge=0, le=100)
     hold_s: float | None = Field(None, ge=0, le=MAX_HOLD_S)  # the last step may omit it: reaching it ends it
@@ -45,11 +46,11 @@ class Guards(BaseModel):
     """What every evaluation checks (a None limit turns that guard off); shadow-verification
     mismatches are always checked and always critical."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)  # 1e999 parses as inf
 
     interval_s: float = Field(10.0, gt=0, le=MAX_INTERVAL_S)  # how often the controller evaluates (>= MIN_INTERVAL_S)
-    min_samples: int = Field(50, ge=1)  # per cohort, per guard, within the current stage
-    failure_limit: int = Field(3, ge=1)  # failed evaluations (in one stage) that roll back
+    min_samples: int = Field(50, ge=1, le=MAX_COUNT)  # per cohort, per guard, within the current stage
+    failure_limit: int = Field(3, ge=1, le=MAX_COUNT)  # failed evaluations (in one stage) that roll back
     max_error_rate_delta: float | None = Field(0.01, ge=0)  # graph-cohort error rate minus holdback's
     max_tpot_ratio: float | None = Field(1.05, gt=0)  # graph-cohort decode step time / holdback's
     max_fallback_rate: float | None = Field(0.05, ge=0, le=1)  # graph-cohort rows that ran eager anyway

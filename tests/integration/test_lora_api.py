@@ -108,6 +108,8 @@ def test_operators_add_and_remove_adapters_under_load(app):
         assert refused.status_code == 400 and "r: rank 16 is above max_lora_rank 8" in refused.json()["detail"]
         assert admin(server, "POST", "/admin/lora-adapters", {"name": "x y", "path": "/p"}).status_code == 400
         assert admin(server, "POST", "/admin/lora-adapters", {"name": MODEL, "path": "/p"}).status_code == 400
+        nul = admin(server, "POST", "/admin/lora-adapters", {"name": "nul", "path": "/x\u0000y"})
+        assert nul.status_code == 400, nul.text  # was a 500: "embedded null byte" in the replica
         missing = admin(server, "POST", "/admin/lora-adapters", {"name": "gone", "path": "/nonexistent"})
         assert missing.status_code == 400 and "adapter_config.json" in missing.json()["detail"]
         added = admin(server, "POST", "/admin/lora-adapters", {"name": "late", "path": adapters["late"]})

@@ -280,6 +280,24 @@ async def test_the_client_sends_its_deadline_and_a_late_call_is_unavailable(monk
         await client.call(GraphController.set_toggle, "a", False, "alice")
 
 
+async def test_a_controller_that_dies_again_while_its_call_is_retried_is_unavailable(monkeypatch):
+    """The client retries once on a new handle when the actor died; a controller killed again
+    before that retry answered raised RayActorError through to the route (a 500, not a 503)."""
+    import ray
+
+    class Dead(FakeActorHandle):
+        async def _answer(self, deadline: float, name: str, args: tuple, kwargs: dict):
+            self.calls.append((name, args))
+            raise ray.exceptions.RayActorError()
+
+    handles = [Dead({}), Dead({})]
+    monkeypatch.setattr(controller_module, "controller_handle", lambda config: handles.pop(0))
+    client = controller_module.ControllerClient(SimpleNamespace(controller_timeout_s=1.0))
+    with pytest.raises(controller_module.ControllerUnavailable, match="rollout_action"):
+        await client.call_within(1.0, GraphController.rollout_action, "promote", Operator("alice"))
+    assert handles == []  # it was retried once, on a new handle
+
+
 async def test_a_call_that_reaches_the_controller_after_its_deadline_is_not_run(tmp_path):
     """A call held by a stalled controller past the time its caller waited (the caller answered
     503) is refused when it arrives: the toggle and the audit log stay as they were. In time, the

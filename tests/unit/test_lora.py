@@ -291,6 +291,17 @@ def test_a_pickled_adapter_is_refused_with_what_to_do(base, tmp_path):
         load_adapter(path, "x", load_config(base), MAX_RANK)
 
 
+def test_an_adapter_config_that_is_not_a_file_is_refused_without_reading_it(base, tmp_path):
+    """A FIFO as adapter_config.json blocked the engine in open() until its watchdog killed it."""
+    import os
+
+    path = tmp_path / "adapter"
+    path.mkdir()
+    os.mkfifo(path / "adapter_config.json")
+    with pytest.raises(AdapterError, match="adapter_config.json is not a file"):
+        load_adapter(path, "x", load_config(base), MAX_RANK)
+
+
 DECODE_STEPS = 32
 
 

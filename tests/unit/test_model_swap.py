@@ -156,3 +156,11 @@ def test_decisions_the_controller_makes_itself_do_not_wait_for_a_disk(tmp_path, 
     assert (
         c.start_rollout({"steps": [{"percent": 50, "hold_s": 60}, {"percent": 100}]}, Operator("bob"))["status"] == 409
     )
+
+
+@pytest.mark.parametrize("field", ["drain_timeout_s", "replica_timeout_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_timeout_that_is_not_finite_is_refused(field, value):
+    """JSON's 1e999 parses as inf: a swap took it, answered it as null and persisted Infinity."""
+    with pytest.raises(ValueError, match="finite number"):
+        SwapRequest(model="/ckpt/v2", **{field: value})

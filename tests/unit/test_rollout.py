@@ -238,3 +238,17 @@ def test_the_toggle_wins_and_cohorts_follow_the_unit():
     assert len({graph_denial("one-tenant", f"req-{i}", True, per_request.cohort_rule()) for i in range(100)}) == 2
     per_request.abort(1.0, "a")
     assert all(graph_denial("t", f"req-{i}", True, per_request.cohort_rule()) for i in range(50))  # 0% after an abort
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"steps": [{"percent": 50.0, "hold_s": float("inf")}, {"percent": 100.0}]},
+        {"steps": [{"percent": 100.0}], "guards": {"max_tpot_ratio": float("inf")}},  # answered as null: guard off
+        {"steps": [{"percent": 100.0}], "guards": {"max_error_rate_delta": float("nan")}},
+        {"steps": [{"percent": 100.0}], "guards": {"min_samples": 10**40}},
+    ],
+)
+def test_a_plan_with_a_number_past_its_bounds_is_refused(plan):
+    with pytest.raises(ValidationError):
+        RolloutPlan.model_validate(plan)

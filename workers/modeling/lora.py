@@ -227,6 +227,8 @@ def load_adapter(
     """Read and check a PEFT adapter for a model of `cfg`, its tensors onto `device` (so the copy
     into a slot is one on the device); AdapterError names what is wrong."""
     path = Path(path)
+    if (path / "adapter_config.json").exists() and not (path / "adapter_config.json").is_file():
+        raise AdapterError(f"{path}: adapter_config.json is not a file")  # a FIFO would block the read
     try:
         config = AdapterConfig.model_validate(json.loads((path / "adapter_config.json").read_text()))
     except OSError as e:
