@@ -49,6 +49,10 @@ AUDIT_KEEP = 1000
 DEFAULT_RECOMMENDED_BUCKETS = 8
 STALE_AFTER_S = 10.0
 GONE_AFTER_S = 30.0  # a replica waiting for its turn in a swap that has not reported this long is dropped
+# one in its turn (draining, loading) that has not reported this long: it died in the middle (a live one
+# reports every second whatever its engine does); its turn blocked every swap, policy change and rollout
+# until replica_timeout_s (30 min by default)
+SWAPPING_GONE_AFTER_S = 120.0
 DECIDE_EVERY_S = 1.0  # the decision loop's pause with no rollout running
 
 
@@ -666,17 +670,19 @@ class GraphController:
         gone = [
             r
             for r in swap.order
-            if swap.replicas[r].step == "waiting"
+            if swap.replicas[r].step in ("waiting", "draining", "loading")
             and r in self.replicas
-            and now - self.replicas[r]["reported_at"] > GONE_AFTER_S
+            and now - self.replicas[r]["reported_at"]
+            > (GONE_AFTER_S if swap.replicas[r].step == "waiting" else SWAPPING_GONE_AFTER_S)
         ]
         reason = None
         for replica_id in gone:  # Serve replaces a replica that died: its successor joins the swap instead
             log.warning(
-                "swap %s: replica %s has not reported for %g s; dropped from the swap",
+                "swap %s: replica %s (%s) has not reported for %.0f s; dropped from the swap",
                 swap.id,
                 replica_id,
-                GONE_AFTER_S,
+                swap.replicas[replica_id].step,
+                now - self.replicas[replica_id]["reported_at"],
             )
             reason = swap.leave(replica_id, now) or reason
         reason = swap.check_timeouts(now) or reason

@@ -136,6 +136,29 @@ def test_a_silent_replica_fails_the_swap_in_the_decision_loop(tmp_path):
     assert c.swap.phase == SwapPhase.FAILED and "within 5 s" in c.swap.reason
 
 
+def test_a_replica_that_died_in_its_turn_leaves_the_swap_and_the_next_takes_its_turn(tmp_path):
+    """A replica killed while draining kept its turn until replica_timeout_s (30 minutes): every
+    swap, policy change and rollout was a 409 meanwhile. Silent past SWAPPING_GONE_AFTER_S in its
+    turn, it leaves; a slow one that still reports keeps it."""
+    from app.controller import SWAPPING_GONE_AFTER_S
+
+    c = GraphController(str(tmp_path / "state.json"), {})
+    for r in ("r1", "r2", "r3"):
+        c.report(r, {"state": "READY"})
+    c.start_swap("model", {"model": "/ckpt/v2"}, PREVIOUS, Operator("alice"))
+    c.report("r1", replica_report("swap-1", "draining"))
+    c.report("r2", {"state": "READY"})
+    c.report("r3", {"state": "READY"})
+    died = c.replicas["r1"]["reported_at"]
+    for r in ("r2", "r3"):  # the others still report
+        c.replicas[r]["reported_at"] = died + SWAPPING_GONE_AFTER_S
+    c.check_swap(now=died + SWAPPING_GONE_AFTER_S - 1)
+    assert c._swap_order()["now"] == ["r1"]
+    c.check_swap(now=died + SWAPPING_GONE_AFTER_S + 1)
+    assert c.swap.phase == SwapPhase.PROGRESSING and "r1" not in c.swap.order
+    assert c._swap_order()["now"] == ["r2"]
+
+
 def test_decisions_the_controller_makes_itself_do_not_wait_for_a_disk(tmp_path, monkeypatch):
     """With the state file unwritable, a swap's progress and a rollback still take effect (in
     memory, audited, one version more each), while an operator's start is refused."""
