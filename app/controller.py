@@ -48,11 +48,11 @@ log = logging.getLogger(__name__)
 AUDIT_KEEP = 1000
 DEFAULT_RECOMMENDED_BUCKETS = 8
 STALE_AFTER_S = 10.0
-GONE_AFTER_S = 30.0  # a replica waiting for its turn in a swap that has not reported this long is dropped
-# one in its turn (draining, loading) that has not reported this long: it died in the middle (a live one
-# reports every second whatever its engine does); its turn blocked every swap, policy change and rollout
-# until replica_timeout_s (30 min by default)
-SWAPPING_GONE_AFTER_S = 120.0
+# A replica of a swap silent this long at its step is dropped from it (gone: Serve replaces it, and its
+# successor joins): waiting for its turn, or in it (draining, loading: a live one reports every second
+# whatever its engine does; a dead one's turn blocked every swap, policy change and rollout until
+# replica_timeout_s, 30 min by default)
+GONE_AFTER_S = {"waiting": 30.0, "draining": 120.0, "loading": 120.0}
 DECIDE_EVERY_S = 1.0  # the decision loop's pause with no rollout running
 
 
@@ -670,10 +670,9 @@ class GraphController:
         gone = [
             r
             for r in swap.order
-            if swap.replicas[r].step in ("waiting", "draining", "loading")
+            if swap.replicas[r].step in GONE_AFTER_S
             and r in self.replicas
-            and now - self.replicas[r]["reported_at"]
-            > (GONE_AFTER_S if swap.replicas[r].step == "waiting" else SWAPPING_GONE_AFTER_S)
+            and now - self.replicas[r]["reported_at"] > GONE_AFTER_S[swap.replicas[r].step]
         ]
         reason = None
         for replica_id in gone:  # Serve replaces a replica that died: its successor joins the swap instead

@@ -138,9 +138,11 @@ def test_a_silent_replica_fails_the_swap_in_the_decision_loop(tmp_path):
 
 def test_a_replica_that_died_in_its_turn_leaves_the_swap_and_the_next_takes_its_turn(tmp_path):
     """A replica killed while draining kept its turn until replica_timeout_s (30 minutes): every
-    swap, policy change and rollout was a 409 meanwhile. Silent past SWAPPING_GONE_AFTER_S in its
-    turn, it leaves; a slow one that still reports keeps it."""
-    from app.controller import SWAPPING_GONE_AFTER_S
+    swap, policy change and rollout was a 409 meanwhile. Silent past GONE_AFTER_S["draining"] in
+    its turn, it leaves; a slow one that still reports keeps it."""
+    from app.controller import GONE_AFTER_S
+
+    SWAPPING_GONE_AFTER_S = GONE_AFTER_S["draining"]
 
     c = GraphController(str(tmp_path / "state.json"), {})
     for r in ("r1", "r2", "r3"):

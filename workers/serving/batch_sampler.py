@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.serving import grammar as grammar_module
 from workers.serving.grammar import Grammar, MaskFiller
 from workers.serving.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from workers.serving.sampling_ops import apply_penalties, apply_token_bitmask, on_device, sample, token_logprobs
@@ -206,7 +207,8 @@ class BatchSampler:
         ahead = [(s.grammar, s.slot) for s in seqs if s.grammar is not None and s.slot >= 0]
         if len(ahead) < AHEAD_MIN_ROWS:
             return
-        ahead.sort(key=lambda pair: pair[0].lineage)
+        if grammar_module.LINEAGES > 1:  # the pool gives each thread a run of neighbours: one lineage's rows together
+            ahead.sort(key=lambda pair: pair[0].lineage)
         buffers = self._buffers(ahead[0][0].words)
         buffers.writable()
         self.masks.start([(g.matcher, slot) for g, slot in ahead], buffers.masks)

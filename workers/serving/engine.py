@@ -196,8 +196,8 @@ class LLMEngine:
         self.runner = self.runners.base
         self.adapter_slots = AdapterSlots(model.lora.max_loras) if model.lora else None
         self._adapter_loads = 0  # adapters loaded into slots so far: each load's generation
-        self._slot_generation: dict[int, int] = {}  # slot -> the generation of the load it holds
-        self._slot_files: dict[int, tuple] = {}  # slot -> the version of the files it loaded (`adapter_version`)
+        # slot -> the load it holds: its generation, and the version of the files it read (`adapter_version`)
+        self._slot_load: dict[int, tuple[int, tuple]] = {}
         self._refused: list[TokenEvent] = []  # requests whose adapter failed to load at admission
         self.grammars = grammar_compiler(tokenizer, self.eos_token_ids, model.cfg.vocab_size)
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # waiting for their grammar
@@ -390,7 +390,7 @@ class LLMEngine:
         if seq.adapter_slot:
             return True
         grant = self.adapter_slots.acquire(seq.adapter)
-        if grant is not None and not grant.load and self._slot_files.get(grant.slot) != adapter_version(seq.adapter[1]):
+        if grant is not None and not grant.load and self._slot_load[grant.slot][1] != adapter_version(seq.adapter[1]):
             # its files changed since they were loaded (an adapter retrained into the same directory):
             # this request and later ones load them again; requests of the old load keep their slot
             self.adapter_slots.release(grant.slot)
@@ -409,7 +409,7 @@ class LLMEngine:
                     raise InvalidRequest(f"adapter {seq.adapter[0]!r} cannot be served: {e}") from e
                 raise
         seq.adapter_slot = grant.slot
-        seq.cache_salt = adapter_salt(*seq.adapter, self._slot_generation[grant.slot])
+        seq.cache_salt = adapter_salt(*seq.adapter, self._slot_load[grant.slot][0])
         return True
 
     def _load_adapter(self, slot: int, key: AdapterKey) -> None:
@@ -432,8 +432,7 @@ class LLMEngine:
         if why is not None:
             raise AdapterError(f"verification: a probe step with it did not replay what eager computes: {why}")
         self._adapter_loads += 1
-        self._slot_generation[slot] = self._adapter_loads  # KV cached with an earlier load is not reused
-        self._slot_files[slot] = version
+        self._slot_load[slot] = (self._adapter_loads, version)  # KV cached with an earlier load is not reused
         self.stats.record_adapter_load("loaded", loaded)
 
     def forget_adapters(self) -> None:
