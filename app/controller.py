@@ -27,6 +27,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -83,6 +84,8 @@ class _State(BaseModel):
     lora_adapters: dict[str, dict[str, Any]] = {}  # adapters registered through the admin API
     made_for: dict[str, Any] | None = None  # the configuration (AppConfig.made_for) the swap state is valid for
     archived: list[dict[str, Any]] = []  # swap state set aside when the configuration changed
+    tenant_updates: dict[str, dict[str, Any]] | None = None  # per tenant, its toggle's last change: at, by
+    applied_calls: list[StrictStr] = []  # the ids of the last calls whose change was persisted
 
 
 PERSISTED = (
@@ -96,8 +99,11 @@ PERSISTED = (
     "lora_adapters",
     "made_for",
     "archived",
+    "tenant_updates",
+    "applied_calls",
 )
 ARCHIVE_KEEP = 20
+APPLIED_KEEP = 1000  # call ids remembered: a call retried after a restart that persisted it is answered, not run again
 
 
 class StateWriteError(RuntimeError):
@@ -224,6 +230,9 @@ class GraphController:
         self.lora_adapters: dict[str, dict] = {}  # registered through the admin API: name -> path, by, at
         self.made_for: dict | None = None
         self.archived: list[dict] = []
+        self.tenant_updates: dict[str, dict] = {}
+        self.applied_calls: list[str] = []
+        self._call_id: str | None = None  # the id of the call running now, persisted with its change
         self._loop: asyncio.Task | None = None
         self._evaluated: tuple[str, float] = ("", 0.0)  # the rollout the loop last evaluated (or first saw), when
         state = _read_state(self.path)
@@ -243,6 +252,9 @@ class GraphController:
             self.lora_adapters = state.get("lora_adapters", {})
             self.made_for = state.get("made_for")
             self.archived = state.get("archived", [])
+            updates = state.get("tenant_updates")
+            self.tenant_updates = _updates_from_audit(self.audit) if updates is None else updates
+            self.applied_calls = state.get("applied_calls", [])
         if made_for is not None:
             self.adopt(made_for, "controller")
         self._configure_toggles(initial_toggles, "controller")
@@ -335,7 +347,13 @@ class GraphController:
         ]
         if entries:
             log.warning("controller state %s: the configuration's tenants changed: %s", self.path, entries)
-        self._commit_or_apply(entries, "the configuration's tenants", toggles=toggles, configured_toggles=configured)
+        self._commit_or_apply(
+            entries,
+            "the configuration's tenants",
+            toggles=toggles,
+            configured_toggles=configured,
+            tenant_updates={**self.tenant_updates, **_updates_from_audit(entries)},
+        )
 
     def get_toggles(self, known_version: int = -1) -> tuple[int, dict[str, bool] | None]:
         """(version, toggles); toggles is None when the caller already has this version."""
@@ -373,12 +391,12 @@ class GraphController:
         return None if self.rollout is None else self.rollout.cohort_rule().model_dump()
 
     def tenant(self, tenant: str) -> dict:
-        last = next((a for a in reversed(self.audit) if a.get("tenant") == tenant), None)
+        last = self.tenant_updates.get(tenant, {})
         return {
             "tenant": tenant,
             "cuda_graph": self.toggles.get(tenant, True),
-            "updated_at": last["time"] if last else None,
-            "updated_by": last["actor"] if last else None,
+            "updated_at": last.get("at"),
+            "updated_by": last.get("by"),
         }
 
     def set_toggle(self, tenant: str, enabled: bool, operator: Operator) -> dict:
@@ -400,7 +418,11 @@ class GraphController:
             "after": enabled,
         }
         try:
-            self._commit([entry], toggles={**self.toggles, tenant: enabled})
+            self._commit(
+                [entry],
+                toggles={**self.toggles, tenant: enabled},
+                tenant_updates={**self.tenant_updates, **_updates_from_audit([entry])},
+            )
         except StateWriteError as e:
             log.error("%s; toggle of %s not changed", e, tenant)
             return {"error": f"the toggle was not changed: {e}"}
@@ -454,8 +476,11 @@ class GraphController:
 
     def _commit(self, entries: list[dict], **changes: Any) -> None:
         """Persist the state with these changes (attributes named in PERSISTED) and one version
-        more, then apply them; a failed write applies nothing and raises StateWriteError."""
+        more, then apply them; a failed write applies nothing and raises StateWriteError. The id of
+        the call making them goes with them (`before`)."""
         values = {name: changes.get(name, getattr(self, name)) for name in PERSISTED}
+        if self._call_id is not None:
+            values["applied_calls"] = [*self.applied_calls, self._call_id][-APPLIED_KEEP:]
         audit, version = [*self.audit, *entries][-AUDIT_KEEP:], self._next_version(entries, changes)
         dumped = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in values.items()}
         state = {"audit": audit, "version": version, **dumped}
@@ -862,15 +887,42 @@ class GraphController:
         now = time.time()
         return {rid: s for rid, s in self.replicas.items() if now - s["reported_at"] < STALE_AFTER_S}
 
-    async def before(self, deadline: float, name: str, args: tuple, kwargs: dict) -> Any:
+    async def before(self, deadline: float, name: str, args: tuple, kwargs: dict, call_id: str | None = None) -> Any:
         """Method `name`'s answer, unless its caller stopped waiting for it before it got here
         (`deadline`, epoch seconds): a call held by a stalled or restarting actor (or retried by
         Ray after a restart) must not act after its caller was told it failed. An admin write
-        answered 503 changes nothing, then or later."""
+        answered 503 changes nothing, then or later. A call whose change was persisted before the
+        actor died (`call_id` among `applied_calls`), retried by Ray or by the client, is answered
+        with the state it made (REPLAYED) instead of being run again: a second pause would be a
+        409 for a pause that took effect, a second start another rollout."""
         if time.time() > deadline:
             raise CallExpired(f"{name} reached the controller after its caller stopped waiting; it was not run")
-        result = getattr(self, name)(*args, **kwargs)
+        if call_id is not None and call_id in self.applied_calls and name in REPLAYED:
+            log.info("%s %s was applied before the controller restarted; answered, not run again", name, call_id)
+            return REPLAYED[name](self, *args, **kwargs)
+        self._call_id = call_id  # only while the method's synchronous part runs: an async one persists nothing
+        try:
+            result = getattr(self, name)(*args, **kwargs)
+        finally:
+            self._call_id = None
         return await result if inspect.isawaitable(result) else result
+
+
+def _updates_from_audit(entries: list[dict]) -> dict[str, dict]:
+    """Per tenant, the last of these audit entries that changed its toggle: when, and by whom."""
+    return {a["tenant"]: {"at": a["time"], "by": a["actor"]} for a in entries if a.get("tenant") is not None}
+
+
+# What a write answers when its change is already in place (a retried call the controller had
+# persisted before it died): the state it made, as the call itself answers it.
+REPLAYED: dict[str, Callable[..., dict]] = {
+    "set_toggle": lambda c, tenant, enabled, operator: c.tenant(tenant),
+    "start_rollout": lambda c, plan, operator: {"rollout": c.current_rollout()},
+    "rollout_action": lambda c, action, operator: {"rollout": c.current_rollout()},
+    "start_swap": lambda c, kind, body, previous, operator: {"swap": c.current_swap()},
+    "add_lora_adapter": lambda c, name, path, operator: {"name": name, **c.lora_adapters.get(name, {"path": path})},
+    "remove_lora_adapter": lambda c, name, operator: {"name": name, "removed": True},
+}
 
 
 class ControllerUnavailable(RuntimeError):
@@ -906,19 +958,20 @@ class ControllerClient:
     ) -> R:
         """`call`, bounded by timeout_s: the controller runs it only if it gets there in that time
         (`GraphController.before`), so a call this raises for never takes effect later."""
+        call_id = uuid.uuid4().hex  # one id for the call and its retries: the controller runs it once
         try:
             try:
-                return await self._call(timeout_s, method.__name__, args, kwargs)
+                return await self._call(timeout_s, method.__name__, args, kwargs, call_id)
             except ray.exceptions.RayActorError:
                 self.handle = controller_handle(self.config)
-                return await self._call(timeout_s, method.__name__, args, kwargs)
+                return await self._call(timeout_s, method.__name__, args, kwargs, call_id)
         except (TimeoutError, CallExpired, ray.exceptions.RayActorError):  # died again: restarting still
             message = f"the controller did not answer {method.__name__} within {timeout_s:g} s"
             raise ControllerUnavailable(message) from None
 
-    async def _call(self, timeout_s: float, name: str, args: tuple, kwargs: dict):
+    async def _call(self, timeout_s: float, name: str, args: tuple, kwargs: dict, call_id: str):
         deadline = time.time() + timeout_s
-        return await asyncio.wait_for(self.handle.before.remote(deadline, name, args, kwargs), timeout_s)
+        return await asyncio.wait_for(self.handle.before.remote(deadline, name, args, kwargs, call_id), timeout_s)
 
     def notify(
         self, method: Callable[Concatenate[GraphController, P], None], *args: P.args, **kwargs: P.kwargs

@@ -241,12 +241,13 @@ class FakeActorHandle:
     """A Ray actor handle's shape: handle.before.remote(deadline, name, args, kwargs) gives an awaitable."""
 
     def __init__(self, answers: dict, hang: frozenset = frozenset(), late: frozenset = frozenset()) -> None:
-        self.answers, self.hang, self.late, self.calls, self.deadlines = answers, hang, late, [], []
+        self.answers, self.hang, self.late, self.calls, self.deadlines, self.call_ids = answers, hang, late, [], [], []
         self.before = SimpleNamespace(remote=self._answer)
 
-    async def _answer(self, deadline: float, name: str, args: tuple, kwargs: dict):
+    async def _answer(self, deadline: float, name: str, args: tuple, kwargs: dict, call_id: str):
         self.calls.append((name, args))
         self.deadlines.append(deadline)
+        self.call_ids.append(call_id)
         if name in self.hang:
             await asyncio.Event().wait()
         if name in self.late:  # what the real actor raises for a call that came after its deadline
@@ -286,16 +287,75 @@ async def test_a_controller_that_dies_again_while_its_call_is_retried_is_unavail
     import ray
 
     class Dead(FakeActorHandle):
-        async def _answer(self, deadline: float, name: str, args: tuple, kwargs: dict):
+        async def _answer(self, deadline: float, name: str, args: tuple, kwargs: dict, call_id: str):
             self.calls.append((name, args))
+            self.call_ids.append(call_id)
             raise ray.exceptions.RayActorError()
 
     handles = [Dead({}), Dead({})]
+    used = list(handles)
     monkeypatch.setattr(controller_module, "controller_handle", lambda config: handles.pop(0))
     client = controller_module.ControllerClient(SimpleNamespace(controller_timeout_s=1.0))
     with pytest.raises(controller_module.ControllerUnavailable, match="rollout_action"):
         await client.call_within(1.0, GraphController.rollout_action, "promote", Operator("alice"))
     assert handles == []  # it was retried once, on a new handle
+    assert used[0].call_ids == used[1].call_ids and used[0].call_ids[0]  # as one call: it runs once
+
+
+async def test_a_retried_call_whose_change_was_persisted_is_answered_not_run_again(tmp_path):
+    """A write the controller persisted just before it died is retried (by Ray, max_task_retries=-1,
+    or by the client on a new handle) with the same call id on the restarted actor: it answers with
+    the state the call made. Run again, a pause was a 409 for the pause that took effect, a start
+    another rollout, a removal a 404. A new call with the same arguments still runs (and conflicts)."""
+    path = tmp_path / "state.json"
+    alice, later = Operator("alice"), time.time() + 60
+    plan = {"steps": [{"percent": 10, "hold_s": 60}, {"percent": 100}]}
+    first = GraphController(str(path), INITIAL)
+    started = await first.before(later, "start_rollout", (plan, alice), {}, "call-1")
+    paused = await first.before(later, "rollout_action", ("pause", alice), {}, "call-2")
+    first.add_lora_adapter("sql", "/adapters/sql", alice)
+    removed = await first.before(later, "remove_lora_adapter", ("sql", alice), {}, "call-3")
+    toggled = await first.before(later, "set_toggle", ("tenant-a", False, alice), {}, "call-4")
+    audited = len(first.audit)
+
+    restarted = GraphController(str(path), INITIAL)  # the retries land on the restarted actor
+    assert await restarted.before(later, "start_rollout", (plan, alice), {}, "call-1") == started | {
+        "rollout": restarted.current_rollout()
+    }
+    assert restarted.rollout.id == "rollout-1" and restarted.rollouts_started == 1
+    again = await restarted.before(later, "rollout_action", ("pause", alice), {}, "call-2")
+    assert again == paused and again["rollout"]["phase"] != started["rollout"]["phase"]
+    assert await restarted.before(later, "remove_lora_adapter", ("sql", alice), {}, "call-3") == removed
+    assert (await restarted.before(later, "set_toggle", ("tenant-a", False, alice), {}, "call-4")) == toggled
+    assert len(restarted.audit) == audited and restarted.version == first.version
+
+    fresh = await restarted.before(later, "rollout_action", ("pause", alice), {}, "call-5")
+    assert fresh["status"] == 409  # a second pause asked for is refused as before
+    assert await restarted.before(later, "remove_lora_adapter", ("sql", alice), {}, "call-6") == {
+        "error": "no adapter 'sql' was registered through the admin API",
+        "status": 404,
+    }
+
+
+def test_a_tenants_last_change_is_kept_past_the_audit_log(tmp_path, monkeypatch):
+    """Who changed a tenant's toggle, and when, was read from the audit log: after AUDIT_KEEP other
+    entries it read null. It is kept per tenant (and survives a restart); a state file of an
+    earlier version takes it from its audit log."""
+    monkeypatch.setattr(controller_module, "AUDIT_KEEP", 3)
+    path = tmp_path / "state.json"
+    c = GraphController(str(path), INITIAL)
+    changed = c.set_toggle("tenant-a", False, Operator("alice"))
+    for i in range(4):
+        c.set_toggle("tenant-b", i % 2 == 0, Operator("bob"))
+    assert all(a.get("tenant") != "tenant-a" for a in c.audit)  # gone from the log
+    assert c.tenant("tenant-a") == changed and changed["updated_by"] == "alice"
+    assert GraphController(str(path), INITIAL).tenant("tenant-a") == changed
+
+    state = json.loads(path.read_text())
+    del state["tenant_updates"]
+    path.write_text(json.dumps(state))
+    earlier = GraphController(str(path), INITIAL)
+    assert earlier.tenant("tenant-b")["updated_by"] == "bob" and earlier.tenant("tenant-a")["updated_by"] is None
 
 
 async def test_a_call_that_reaches_the_controller_after_its_deadline_is_not_run(tmp_path):
