@@ -849,11 +849,8 @@ class Ingress:
                 {"detail": f"adapter {adapter.name!r} is defined in the config's lora_modules; change it there"},
                 status_code=409,
             )
-        replicas = self.replicas.options(multiplexed_model_id=adapter.name)
         try:
-            check = await asyncio.wait_for(
-                replicas.check_adapter.remote(adapter.name, adapter.path), self.config.engine_start_timeout_s
-            )
+            check = await self._checked_adapter(adapter.name, adapter.path)
         except TimeoutError:
             return JSONResponse(
                 {"detail": "no replica checked the adapter in time; retry"}, status_code=503, headers=RETRY_AFTER
@@ -868,6 +865,20 @@ class Ingress:
             return JSONResponse({"detail": result["error"]}, status_code=409)
         self._registered_at = -math.inf  # the next request reads the registry again
         return JSONResponse({**result, "checked_by": check}, status_code=201)
+
+    async def _checked_adapter(self, name: str, path: str) -> dict:
+        """A replica's check of the adapter (`LLMReplica.check_adapter`). A replica in its turn of a
+        swap cannot check it: the check is sent again (Serve picks a replica each time) for up to
+        swap_queue_timeout_s, as requests are, before its 503 stands."""
+        replicas = self.replicas.options(multiplexed_model_id=name)
+        deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
+        while True:
+            check = await asyncio.wait_for(
+                replicas.check_adapter.remote(name, path), self.config.engine_start_timeout_s
+            )
+            if not check.get("swapping") or asyncio.get_running_loop().time() > deadline:
+                return check
+            await asyncio.sleep(SWAP_RETRY_S)
 
     @api.delete("/admin/lora-adapters/{name}")
     async def remove_lora_adapter(self, name: str, request: Request) -> Response:

@@ -483,7 +483,7 @@ class LLMReplica:
         """Load and verify an adapter before an operator registers it: {"replica_id", "slot",
         "seconds"}, or {"error", "status": 400} saying why it cannot be served (503: not now)."""
         if self.draining:  # its engine is being swapped or rebuilt: its pipe may be closed under it
-            return {"error": f"replica {self.replica_id} is swapping its model; retry", "status": 503}
+            return {"error": f"replica {self.replica_id} is swapping its model; retry", "status": 503, "swapping": True}
         try:
             report = await self.engine.check_adapter(name, path)
         except InvalidRequest as e:

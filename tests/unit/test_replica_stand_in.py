@@ -109,7 +109,37 @@ def test_an_adapter_check_during_a_swap_is_a_503_saying_so():
     stopped: BrokenPipeError', which reads like a crash; the replica says it is swapping."""
     replica = SimpleNamespace(engine=PipeClosedDuringSwap(), draining=True, replica_id="r1")
     answer = asyncio.run(LLMReplica.check_adapter(replica, "sql", "/adapters/sql"))
-    assert answer == {"error": "replica r1 is swapping its model; retry", "status": 503}
+    assert answer == {"error": "replica r1 is swapping its model; retry", "status": 503, "swapping": True}
+
+
+def test_the_ingress_sends_an_adapter_check_again_past_a_swapping_replica():
+    """A registration whose check Serve sent to a replica in its turn of a swap was a 503 while
+    other replicas could check it; it is sent again, as requests are, until swap_queue_timeout_s."""
+    from app.ingress import Ingress
+
+    swapping = {"error": "replica r1 is swapping its model; retry", "status": 503, "swapping": True}
+    checked = {"replica_id": "r2", "name": "sql", "slot": 1, "seconds": 0.1}
+
+    def ingress(answers: list[dict], queue_s: float) -> SimpleNamespace:
+        async def check(name: str, path: str) -> dict:
+            sent.append((name, path))
+            return answers.pop(0) if len(answers) > 1 else answers[0]
+
+        sent: list[tuple[str, str]] = []
+        handle = SimpleNamespace(check_adapter=SimpleNamespace(remote=check))
+        fake = SimpleNamespace(
+            config=SimpleNamespace(swap_queue_timeout_s=queue_s, engine_start_timeout_s=5.0),
+            replicas=SimpleNamespace(options=lambda multiplexed_model_id: handle),
+            sent=sent,
+        )
+        fake._checked_adapter = Ingress._checked_adapter.__get__(fake)
+        return fake
+
+    fake = ingress([swapping, swapping, checked], queue_s=5.0)
+    assert asyncio.run(fake._checked_adapter("sql", "/adapters/sql")) == checked
+    assert fake.sent == [("sql", "/adapters/sql")] * 3
+    fake = ingress([swapping], queue_s=0.0)  # no time to wait: the swapping answer stands
+    assert asyncio.run(fake._checked_adapter("sql", "/adapters/sql")) == swapping
 
 
 def reporting_replica(engine, **more) -> SimpleNamespace:
