@@ -6,6 +6,7 @@ vocabulary, as a padded one is."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Literal
 
@@ -284,6 +285,38 @@ def test_a_schema_is_compiled_into_lineages_that_sequences_copy_in_turn(three_li
     assert [g.lineage for g in grammars] == [0, 1, 2, 0, 1, 2, 0]
     grammars[0].replay(ids('{"name": "'))  # a copy's place is its own, whatever its lineage
     assert texts(allowed(grammars[3])) == {"{"} and texts(allowed(grammars[1])) == {"{"}
+
+
+def test_a_requests_compile_never_waits_behind_other_schemas_lineages(monkeypatch):
+    """The lineages after the first shared the request compiles' threads: four schemas' lineages
+    (31 compiles each on 16 cores) held all four, and the next request's schema waited for them. A
+    schema evicted from the cache meanwhile is not compiled further."""
+    monkeypatch.setattr(grammar_module, "LINEAGES", 3)
+    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH, cache_size=5)
+    release, compiled_once = threading.Event(), set()
+    compile_one = compiler._matcher
+
+    def matcher(schema: str):
+        if schema in compiled_once:  # a lineage after the first: held until released
+            release.wait(30)
+        compiled_once.add(schema)
+        return compile_one(schema)
+
+    compiler._matcher = matcher
+    schemas = [canonical_schema({**PERSON, "title": f"s{i}"}) for i in range(6)]
+    firsts = [compiler.compile(s) for s in schemas[:4]]
+    assert all(len(f.result(30).matchers) == 1 for f in firsts)  # their lineages wait in the background
+    started = time.monotonic()
+    assert compiler.compile(schemas[4]).result(10).matchers  # not behind the four schemas' lineages
+    assert time.monotonic() - started < 10
+    last = compiler.compile(schemas[5]).result(30)  # evicts schemas[0], whose second lineage is held
+    release.set()
+    deadline = time.monotonic() + 30
+    while len(last.matchers) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(last.matchers) == 3
+    assert len(firsts[0].result().matchers) == 2  # the one compiling when it was evicted, no more
+    compiler.close()
 
 
 def test_a_pooled_fill_ahead_over_lineages_fills_what_a_fill_now_does(three_lineages):

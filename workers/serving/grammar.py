@@ -133,6 +133,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
         # several: one schema that takes seconds to compile does not hold up the others' requests
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="graphserve-grammar")
+        # the lineages after the first, on a thread of their own: a request's compile never queues
+        # behind them (a schema's lineages are LINEAGES - 1 compiles, 31 on 16 cores)
+        self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-grammar-lineages")
         self._lock = threading.Lock()  # the tokenizer is built once, whichever thread asks first
 
     @property
@@ -154,18 +157,20 @@ class GrammarCompiler:
         return future
 
     def _compile(self, schema: str) -> CompiledSchema:
-        """Its first lineage, checked; the others are compiled next, one after another in one task
-        (a schema that takes long holds up one compile thread, not all)."""
+        """Its first lineage, checked; the others are compiled next, in the background, one after
+        another."""
         compiled = CompiledSchema(self._matcher(schema))
         if LINEAGES > 1:
             try:
-                self._pool.submit(self._lineages, schema, compiled)
+                self._background.submit(self._lineages, schema, compiled)
             except RuntimeError:  # closed meanwhile: no sequence will copy it
                 pass
         return compiled
 
     def _lineages(self, schema: str, compiled: CompiledSchema) -> None:
-        for _ in range(LINEAGES - 1):
+        """The other lineages, while the schema is cached: one evicted meanwhile is compiled again
+        by the next request that names it, so more of its lineages would never be copied."""
+        while len(compiled.matchers) < LINEAGES and schema in self._cache:
             compiled.matchers.append(self._matcher(schema))
 
     def _matcher(self, schema: str) -> llguidance.LLMatcher:
@@ -198,6 +203,7 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._background.shutdown(wait=False, cancel_futures=True)
 
 
 class MaskFiller:
