@@ -293,18 +293,21 @@ def test_a_requests_compile_never_waits_behind_other_schemas_lineages(monkeypatc
     schema evicted from the cache meanwhile is not compiled further."""
     monkeypatch.setattr(grammar_module, "LINEAGES", 3)
     compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH, cache_size=5)
-    release, compiled_once = threading.Event(), set()
+    held, release, compiled_once = threading.Event(), threading.Event(), set()
     compile_one = compiler._matcher
 
     def matcher(schema: str):
         if schema in compiled_once:  # a lineage after the first: held until released
+            held.set()
             release.wait(30)
         compiled_once.add(schema)
         return compile_one(schema)
 
     compiler._matcher = matcher
     schemas = [canonical_schema({**PERSON, "title": f"s{i}"}) for i in range(6)]
-    firsts = [compiler.compile(s) for s in schemas[:4]]
+    firsts = [compiler.compile(schemas[0])]
+    assert len(firsts[0].result(30).matchers) == 1 and held.wait(30)  # its second lineage is compiling
+    firsts += [compiler.compile(s) for s in schemas[1:4]]
     assert all(len(f.result(30).matchers) == 1 for f in firsts)  # their lineages wait in the background
     started = time.monotonic()
     assert compiler.compile(schemas[4]).result(10).matchers  # not behind the four schemas' lineages
