@@ -315,6 +315,20 @@ def test_autoscaling_sections_take_only_serves_keys_and_keep_their_own_defaults(
     assert AppConfig.from_args({"ingress_autoscaling": {"min_replicas": 3}}).ingress_autoscaling.max_replicas == 4
 
 
+def test_an_autoscaling_target_a_replica_cannot_reach_is_refused():
+    """A replica takes max_num_seqs + max_waiting requests: with a target above that Serve never
+    scaled out (a probe: max_num_seqs 2, max_waiting 1, target 24: bursts got 503s at capacity and
+    the deployment stayed at one replica). Checked once the device's batch limit is known."""
+    args = {"max_num_seqs": "2", "max_waiting": "1", "autoscaling": {"max_replicas": 2, "target_ongoing_requests": 24}}
+    config = AppConfig.from_args(args)
+    with pytest.raises(ValueError, match=r"target_ongoing_requests \(24\) is above .* = 3\)"):
+        config.on_device(False)
+    assert AppConfig.from_args({**args, "autoscaling": {"max_replicas": 1, "target_ongoing_requests": 24}}).on_device(
+        False
+    )  # no replica to add: nothing to reach
+    assert AppConfig.from_args({}).on_device(False).on_device(True)  # the defaults on either device
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
