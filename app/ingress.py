@@ -316,6 +316,7 @@ class Ingress:
         self.readiness = ReadinessView(lambda: self.controller.call(GraphController.replica_statuses))
         self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
         self._registered_at = -math.inf
+        self._shadowed_logged = False  # a registered adapter the served model's name shadows was logged
         self._sequences = 0  # sequences of the requests this ingress has under way (n each)
         if self.config.cors_allowed_origins:  # before Serve starts the app, which builds its middleware then
             api.add_middleware(
@@ -339,7 +340,16 @@ class Ingress:
                 self._registered_at = now
             except ControllerUnavailable:
                 log.warning("the controller did not answer; serving the adapters it last listed")
-        return {**{n: e["path"] for n, e in self._registered.items()}, **self.config.lora_modules}
+        registered = {n: e["path"] for n, e in self._registered.items() if n != self.model_name}
+        if len(registered) < len(self._registered) and not self._shadowed_logged:
+            self._shadowed_logged = True
+            log.warning(
+                "adapter %r, registered through the admin API, has the served model's name: the model is served "
+                "under it (DELETE /admin/lora-adapters/%s removes the registration)",
+                self.model_name,
+                self.model_name,
+            )
+        return {**registered, **self.config.lora_modules}
 
     # -- OpenAI API --------------------------------------------------------------------------------
 
@@ -821,8 +831,11 @@ class Ingress:
             {
                 "name": name,
                 "path": path,
-                "source": "config" if name in self.config.lora_modules else "admin",
-                **{k: v for k, v in self._registered.get(name, {}).items() if k != "path"},
+                **(
+                    {"source": "config"}
+                    if name in self.config.lora_modules
+                    else {"source": "admin", **{k: v for k, v in self._registered[name].items() if k != "path"}}
+                ),
                 "replicas": held.get(name, {}),
             }
             for name, path in sorted(paths.items())
