@@ -87,7 +87,22 @@ def prepare_model(model: LlamaModel, config: EngineConfig) -> KVCache:
         config.max_num_batched_tokens,
         reserve,
     )
-    return model.make_kv_cache(max_num_seqs, agree_num_pages(model, num_pages), config.kv_page_size)
+    num_pages = agree_num_pages(model, num_pages)
+    try:
+        return model.make_kv_cache(max_num_seqs, num_pages, config.kv_page_size)
+    except RuntimeError as e:  # the host's allocator, or the device's (torch.OutOfMemoryError)
+        if "allocate" not in str(e):
+            raise
+        if config.kv_cache_tokens:
+            sized = f"kv_cache_tokens {config.kv_cache_tokens}"
+        elif device.type == "cpu":
+            sized = f"max_num_seqs {max_num_seqs} x max_model_len {model.max_model_len}: on CPU every slot's"
+        else:
+            sized = "from the free device memory"
+        raise ValueError(
+            f"the KV pool of {num_pages * config.kv_page_size} tokens ({sized}) cannot be allocated; lower "
+            f"max_num_seqs or max_model_len, or set kv_cache_tokens. {str(e).splitlines()[0]}"
+        ) from e
 
 
 def first_calls(runners: Iterable[GraphRunner]) -> dict[str, float]:
