@@ -881,15 +881,23 @@ class Ingress:
 
     async def _checked_adapter(self, name: str, path: str) -> dict:
         """A replica's check of the adapter (`LLMReplica.check_adapter`). A replica in its turn of a
-        swap cannot check it: the check is sent again (Serve picks a replica each time) for up to
-        swap_queue_timeout_s, as requests are, before its 503 stands."""
+        swap cannot check it, and one that fails under it (dies: a RayActorError) answers nothing:
+        the check is sent again (Serve picks a replica each time) for up to swap_queue_timeout_s,
+        as requests are, before the 503 stands."""
         replicas = self.replicas.options(multiplexed_model_id=name)
         deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
         while True:
-            check = await asyncio.wait_for(
-                replicas.check_adapter.remote(name, path), self.config.engine_start_timeout_s
-            )
-            if not check.get("swapping") or asyncio.get_running_loop().time() > deadline:
+            try:
+                check = await asyncio.wait_for(
+                    replicas.check_adapter.remote(name, path), self.config.engine_start_timeout_s
+                )
+            except TimeoutError:
+                raise
+            except Exception as e:
+                log.warning("the replica checking adapter %r failed: %r", name, e)
+                check = {"error": "the replica checking the adapter failed; retry", "status": 503, "failed": True}
+            again = check.get("swapping") or check.get("failed")
+            if not again or asyncio.get_running_loop().time() > deadline:
                 return check
             await asyncio.sleep(SWAP_RETRY_S)
 

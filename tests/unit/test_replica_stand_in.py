@@ -115,15 +115,20 @@ def test_an_adapter_check_during_a_swap_is_a_503_saying_so():
 def test_the_ingress_sends_an_adapter_check_again_past_a_swapping_replica():
     """A registration whose check Serve sent to a replica in its turn of a swap was a 503 while
     other replicas could check it; it is sent again, as requests are, until swap_queue_timeout_s."""
+    import ray
+
     from app.ingress import Ingress
 
     swapping = {"error": "replica r1 is swapping its model; retry", "status": 503, "swapping": True}
     checked = {"replica_id": "r2", "name": "sql", "slot": 1, "seconds": 0.1}
 
-    def ingress(answers: list[dict], queue_s: float) -> SimpleNamespace:
+    def ingress(answers: list[dict | Exception], queue_s: float) -> SimpleNamespace:
         async def check(name: str, path: str) -> dict:
             sent.append((name, path))
-            return answers.pop(0) if len(answers) > 1 else answers[0]
+            answer = answers.pop(0) if len(answers) > 1 else answers[0]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
 
         sent: list[tuple[str, str]] = []
         handle = SimpleNamespace(check_adapter=SimpleNamespace(remote=check))
@@ -140,6 +145,14 @@ def test_the_ingress_sends_an_adapter_check_again_past_a_swapping_replica():
     assert fake.sent == [("sql", "/adapters/sql")] * 3
     fake = ingress([swapping], queue_s=0.0)  # no time to wait: the swapping answer stands
     assert asyncio.run(fake._checked_adapter("sql", "/adapters/sql")) == swapping
+
+    # A replica that died under the check raised RayActorError through the route: a 500.
+    died = ray.exceptions.RayActorError()
+    fake = ingress([died, checked], queue_s=5.0)
+    assert asyncio.run(fake._checked_adapter("sql", "/adapters/sql")) == checked and len(fake.sent) == 2
+    fake = ingress([died], queue_s=0.0)
+    answer = asyncio.run(fake._checked_adapter("sql", "/adapters/sql"))
+    assert answer["status"] == 503 and answer["error"] == "the replica checking the adapter failed; retry"
 
 
 def reporting_replica(engine, **more) -> SimpleNamespace:
