@@ -322,6 +322,59 @@ def test_a_requests_compile_never_waits_behind_other_schemas_lineages(monkeypatc
     compiler.close()
 
 
+def held_lineages(compiler: GrammarCompiler) -> tuple[threading.Event, list[str]]:
+    """The compiler's background lineage compiles held until the event is set; the schemas of the
+    compiles that ran (held or not), in order."""
+    release, compiled, compile_one = threading.Event(), [], compiler._matcher
+
+    def matcher(schema: str):
+        if threading.current_thread().name.startswith("graphserve-grammar-lineages"):
+            release.wait(30)
+        compiled.append(schema)
+        return compile_one(schema)
+
+    compiler._matcher = matcher
+    return release, compiled
+
+
+def wait_for(condition, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_an_evicted_schema_asked_for_again_compiles_lineages_only_for_its_new_compile(monkeypatch):
+    """The lineage loop ran while the schema's text was cached: evicted and asked for again (a new
+    compile), the old compile, which no sequence copies, got every lineage, ahead of the new one's."""
+    monkeypatch.setattr(grammar_module, "LINEAGES", 4)
+    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH, cache_size=1)
+    release, _ = held_lineages(compiler)
+    a, b = canonical_schema(PERSON), canonical_schema({**PERSON, "title": "b"})
+    old = compiler.compile(a).result(30)
+    compiler.compile(b).result(30)  # evicts the first compile of a
+    new = compiler.compile(a).result(30)
+    release.set()
+    assert new is not old and wait_for(lambda: len(new.matchers) == 4)
+    assert len(old.matchers) <= 2  # at most the one compiling when it was evicted
+    compiler.close()
+
+
+def test_a_closed_compiler_starts_no_other_lineage(monkeypatch):
+    """After a model swap the old engine's compiler is closed; its lineage loop went on compiling
+    every lineage for the old tokenizer (31 on 16 cores) beside the new model's gate and traffic."""
+    monkeypatch.setattr(grammar_module, "LINEAGES", 8)
+    compiler = GrammarCompiler(TOKENIZER, (EOS,), WIDTH)
+    release, compiled = held_lineages(compiler)
+    schema = canonical_schema(PERSON)
+    first = compiler.compile(schema).result(30)
+    assert wait_for(lambda: len(compiled) == 1)  # the first lineage; the second is held
+    compiler.close()
+    release.set()
+    compiler._background.shutdown(wait=True)  # its thread has ended: nothing compiles after this
+    assert len(first.matchers) <= 2 and len(compiled) <= 2
+
+
 def test_a_pooled_fill_ahead_over_lineages_fills_what_a_fill_now_does(three_lineages):
     compiler, compiled = three_lineages
     sampler = BatchSampler(12, WIDTH, torch.device("cpu"))

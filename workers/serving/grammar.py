@@ -100,11 +100,12 @@ class CompiledSchema:
     fills rows of different lineages at once. The first is compiled and checked before any
     sequence starts; the others are added as they are compiled, in the background."""
 
-    __slots__ = ("matchers", "_turn")
+    __slots__ = ("matchers", "_turn", "retired")
 
     def __init__(self, first: llguidance.LLMatcher) -> None:
         self.matchers = [first]
         self._turn = 0
+        self.retired = False  # out of its compiler's cache, or the compiler closed: no more lineages
 
     def copy(self) -> tuple[llguidance.LLMatcher, int]:
         """A new sequence's matcher, and the lineage it was copied from."""
@@ -153,7 +154,8 @@ class GrammarCompiler:
         future = self._pool.submit(self._compile, schema)
         self._cache[schema] = future
         if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+            _, evicted = self._cache.popitem(last=False)
+            evicted.add_done_callback(_retire)
         return future
 
     def _compile(self, schema: str) -> CompiledSchema:
@@ -168,9 +170,9 @@ class GrammarCompiler:
         return compiled
 
     def _lineages(self, schema: str, compiled: CompiledSchema) -> None:
-        """The other lineages, while the schema is cached: one evicted meanwhile is compiled again
-        by the next request that names it, so more of its lineages would never be copied."""
-        while len(compiled.matchers) < LINEAGES and schema in self._cache:
+        """The other lineages, while this compile of the schema is cached: one evicted meanwhile is
+        compiled anew by the next request that names it, so more lineages of it would never be copied."""
+        while len(compiled.matchers) < LINEAGES and not compiled.retired:
             compiled.matchers.append(self._matcher(schema))
 
     def _matcher(self, schema: str) -> llguidance.LLMatcher:
@@ -202,8 +204,17 @@ class GrammarCompiler:
         return Grammar(matcher, self.mask_words, lineage)
 
     def close(self) -> None:
+        """Stop compiling (the lineage being compiled ends; no other starts)."""
+        for future in self._cache.values():
+            future.add_done_callback(_retire)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._background.shutdown(wait=False, cancel_futures=True)
+
+
+def _retire(future: concurrent.futures.Future) -> None:
+    """A compile that left the cache: its lineages not compiled yet never will be."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().retired = True
 
 
 class MaskFiller:
