@@ -77,7 +77,8 @@ class AutoscalingConfig(BaseModel):
         24,
         gt=0,
         description="Serve's target of ongoing requests per replica: above it Serve adds replicas, below it "
-        "removes them; at most max_num_seqs + max_waiting (what a replica takes) where max_replicas > min_replicas",
+        "removes them; at most max_num_seqs + max_waiting (what a replica takes) where max_replicas > min_replicas "
+        "(the default is lowered to that)",
     )
 
     @field_validator("min_replicas")
@@ -401,8 +402,7 @@ class AppConfig(BaseModel):
             update["max_prefill_delay_ms"] = GPU_PREFILL_DELAY_MS if gpu else 0.0
         resolved = self.model_copy(update=update)
         resolved._check_inline_policy()  # now that the batch limit is known
-        resolved._check_scale_out()
-        return resolved
+        return resolved._with_reachable_target()
 
     def served_name(self) -> str:
         """The `model` clients ask for."""
@@ -449,16 +449,21 @@ class AppConfig(BaseModel):
         if self.max_num_seqs is not None:
             self.cuda_graph_policy.check_fits(self.max_num_seqs)
 
-    def _check_scale_out(self) -> None:
+    def _with_reachable_target(self) -> AppConfig:
         """A replica takes at most max_num_seqs + max_waiting requests (Serve's max_ongoing_requests),
         so an autoscaling target above that never adds a replica: every request past it was a 503
-        at capacity, with max_replicas never reached."""
+        at capacity, with max_replicas never reached. A target given so is refused; the default is
+        lowered to what a replica takes."""
         scaling, capacity = self.autoscaling, self.max_num_seqs + self.max_waiting
-        if scaling.max_replicas > scaling.min_replicas and scaling.target_ongoing_requests > capacity:
+        if scaling.max_replicas == scaling.min_replicas or scaling.target_ongoing_requests <= capacity:
+            return self
+        if "target_ongoing_requests" in scaling.model_fields_set:
             raise ValueError(
                 f"autoscaling.target_ongoing_requests ({scaling.target_ongoing_requests:g}) is above what a replica "
                 f"takes (max_num_seqs + max_waiting = {capacity}): Serve would never add a replica; set it below"
             )
+        reachable = scaling.model_copy(update={"target_ongoing_requests": capacity})
+        return self.model_copy(update={"autoscaling": reachable})
 
     def check_lora_modules(self) -> None:
         """ValueError naming the `lora_modules` that hold no adapter: checked where a replica runs

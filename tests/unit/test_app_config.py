@@ -315,18 +315,19 @@ def test_autoscaling_sections_take_only_serves_keys_and_keep_their_own_defaults(
     assert AppConfig.from_args({"ingress_autoscaling": {"min_replicas": 3}}).ingress_autoscaling.max_replicas == 4
 
 
-def test_an_autoscaling_target_a_replica_cannot_reach_is_refused():
+def test_an_autoscaling_target_a_replica_cannot_reach_is_refused_and_the_default_lowered():
     """A replica takes max_num_seqs + max_waiting requests: with a target above that Serve never
     scaled out (a probe: max_num_seqs 2, max_waiting 1, target 24: bursts got 503s at capacity and
-    the deployment stayed at one replica). Checked once the device's batch limit is known."""
+    the deployment stayed at one replica). Checked once the device's batch limit is known; the
+    default target (24) is lowered to what a replica takes, so small limits still start."""
     args = {"max_num_seqs": "2", "max_waiting": "1", "autoscaling": {"max_replicas": 2, "target_ongoing_requests": 24}}
-    config = AppConfig.from_args(args)
     with pytest.raises(ValueError, match=r"target_ongoing_requests \(24\) is above .* = 3\)"):
-        config.on_device(False)
-    assert AppConfig.from_args({**args, "autoscaling": {"max_replicas": 1, "target_ongoing_requests": 24}}).on_device(
-        False
-    )  # no replica to add: nothing to reach
-    assert AppConfig.from_args({}).on_device(False).on_device(True)  # the defaults on either device
+        AppConfig.from_args(args).on_device(False)
+    small = AppConfig.from_args({"max_num_seqs": "2", "max_waiting": "1"}).on_device(False)
+    assert small.autoscaling.target_ongoing_requests == 3 and small.autoscaling.max_replicas == 2
+    fixed = {**args, "autoscaling": {"max_replicas": 1, "target_ongoing_requests": 24}}
+    assert AppConfig.from_args(fixed).on_device(False).autoscaling.target_ongoing_requests == 24  # nothing to add
+    assert AppConfig.from_args({}).on_device(True).autoscaling.target_ongoing_requests == 24  # the defaults
 
 
 @pytest.mark.parametrize(
