@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,19 @@ from workers.protocol import CheckAdapter, EngineRequest, EngineStatus, Gate, St
 from workers.serving.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
+COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+RAISED = re.compile(r"[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+def reason(error: BaseException) -> str:
+    """A Ray actor error in one line, for status fields and clients: the last exception its text
+    names (a rank's start failed: the ValueError its __init__ raised), else its first line. Its
+    traceback, colour codes, actor id, pid and address stay in the log."""
+    lines = [line.strip() for line in COLOURS.sub("", str(error)).splitlines() if line.strip()]
+    raised = [line for line in lines if RAISED.match(line)]
+    return raised[-1] if raised else lines[0] if lines else type(error).__name__
+
+
 PING_TIMEOUT_S = 5.0
 
 
@@ -287,7 +301,8 @@ class ShardGroup:
         try:
             await asyncio.gather(*(s.alive.remote() for s in self.shards))
         except ray.exceptions.RayActorError as e:
-            raise EngineDeadError(f"a tensor-parallel rank did not start: {e}") from None
+            log.error("a tensor-parallel rank did not start: %s", e)
+            raise EngineDeadError(f"a tensor-parallel rank did not start: {reason(e)}") from None
 
     async def close(self) -> None:
         """Stop the step loop on rank 0 (which stops the followers), then end every rank's actor."""
@@ -358,7 +373,8 @@ class ShardGroup:
                 except ray.exceptions.RayTaskError as e:
                     raise e.cause from None
                 except ray.exceptions.RayActorError as e:
-                    raise EngineDeadError(f"tensor-parallel rank 0 is gone: {e}") from None
+                    log.error("tensor-parallel rank 0 is gone: %s", e)
+                    raise EngineDeadError(f"tensor-parallel rank 0 is gone: {reason(e)}") from None
         finally:
             ray.cancel(refs)
 
@@ -373,6 +389,9 @@ class ShardGroup:
             return await self.rank0.check_adapter.remote(name, path)
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
+        except ray.exceptions.RayActorError as e:
+            log.error("tensor-parallel rank 0 is gone: %s", e)
+            raise EngineDeadError(f"tensor-parallel rank 0 is gone: {reason(e)}") from None
 
     async def status(self) -> EngineStatus:
         status, shards = await asyncio.wait_for(

@@ -210,3 +210,23 @@ def test_a_bucket_lost_on_one_rank_runs_eager_on_both(tmp_path, monkeypatch):
         ("eager", "none", "verify_mismatch"),
         ("cuda_graph", "decode_bs_8", "none"),
     }
+
+
+def test_a_rank_failure_reads_as_one_line_without_ray_internals():
+    """A rank whose start failed put Ray's whole creation-task traceback (colour codes, actor id,
+    pid, address; ~2 KB) into the swap's reason, /admin/model and the audit log; a rank that died
+    put its actor id, pid and address into the 503 a client got. The log keeps the rest."""
+    from app.shards import reason
+
+    failed_start = RuntimeError(
+        "The actor died because of an error raised in its creation task, \x1b[36mray::ShardWorker.__init__()"
+        "\x1b[39m (pid=6500, ip=192.0.2.2, actor_id=a1b2)\n"
+        '  File "/srv/workers/front/shard_worker.py", line 49, in __init__\n    engine = LLMEngine(...)\n'
+        "ValueError: num_attention_heads=9 is not divisible by tensor_parallel_size=2"
+    )
+    assert reason(failed_start) == "ValueError: num_attention_heads=9 is not divisible by tensor_parallel_size=2"
+    died = RuntimeError(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ShardWorker\n\tactor_id: b534f8\n"
+        "\tpid: 10039\n\tnamespace: serve\n\tip: 192.0.2.2"
+    )
+    assert reason(died) == "The actor died unexpectedly before finishing this task."
