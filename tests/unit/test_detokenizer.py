@@ -111,6 +111,15 @@ def test_flush_emits_incomplete_character_at_end(tokenizer):
     assert detok.flush() == (tokenizer.decode(ids)[1:], False) == ("\ufffd", False)
 
 
+def test_a_stream_cut_short_keeps_an_incomplete_character_back(tokenizer):
+    """A stream aborted mid-generation (a swap's drain timeout) ended with U+FFFD where the whole
+    generation has a character whose bytes were split across tokens; text held back for a stop
+    string is still released."""
+    detok = IncrementalDetokenizer(tokenizer, stop=("yz",))
+    assert [detok.add([t])[0] for t in enc(tokenizer, "xy€")[:-1]] == ["x", "", "", ""]
+    assert detok.flush(cut_short=True) == ("y", False)
+
+
 # ---------------------------------------------------------------- stop strings
 
 

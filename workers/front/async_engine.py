@@ -229,7 +229,7 @@ class StreamFront(ABC):
                     reason = "stop"
                     self.cancel(seq.request_id, reason)
                 if reason is not None:
-                    rest, hit_stop = ("", True) if hit_stop else detok.flush()
+                    rest, hit_stop = ("", True) if hit_stop else detok.flush(cut_short=reason == "abort")
                     text += rest
                     reason = "stop" if hit_stop else reason  # a stop string its last characters completed
                     finished = True

@@ -303,13 +303,15 @@ class IncrementalDetokenizer:
         self._pending = text[len(text) - held :]
         return text[: len(text) - held], False
 
-    def flush(self) -> tuple[str, bool]:
+    def flush(self, cut_short: bool = False) -> tuple[str, bool]:
         """The rest of the text at the end of a stream, incomplete characters included, cut at a
         stop string if it completes one (the text a split character held back until now may), and
-        whether it did."""
+        whether it did. `cut_short`: the stream was aborted mid-generation (a swap's drain timeout),
+        so a character whose last bytes never came stays unsent: as U+FFFD it was text the whole
+        generation never has."""
         if self.stopped:
             return "", True
-        new = self._advance(final=True)
+        new = self._advance(final=not cut_short)
         base, text = len(self._pending), self._pending + new
         self._pending = ""
         cut = self._first_stop(new, base) if self._matchers else None
