@@ -21,7 +21,14 @@ ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 def app(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap-single")
     paths = write_checkpoints(tmp)
-    args = {"model": str(paths["v1"]), "served_model_name": MODEL, "max_model_len": MAX_MODEL_LEN}
+    # the replica reads a swap's order at its next poll: at the default 0.5 s a stream of the tiny
+    # model (8 x 240 tokens in well under a second) could end before it, three times in a row
+    args = {
+        "model": str(paths["v1"]),
+        "served_model_name": MODEL,
+        "max_model_len": MAX_MODEL_LEN,
+        "toggle_poll_s": 0.05,
+    }
     with running_app(tmp, name="swap1", args=args, admin_token=ADMIN_TOKEN) as server:
         server.wait_ready()
         yield server, paths
