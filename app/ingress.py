@@ -6,7 +6,8 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -260,6 +261,21 @@ def finite(value):
     if isinstance(value, list | tuple):
         return [finite(v) for v in value]
     return value
+
+
+T = TypeVar("T")
+
+
+async def until_taken(send: Callable[[], Awaitable[T]], turned_away: Callable[[T], bool], within_s: float) -> T:
+    """send()'s answer, sent again while a replica turns it away (it is in its turn of a swap, or
+    failed under it): Serve picks a replica each time; after within_s (swap_queue_timeout_s) the
+    last answer stands."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        answer = await send()
+        if not turned_away(answer) or asyncio.get_running_loop().time() > deadline:
+            return answer
+        await asyncio.sleep(SWAP_RETRY_S)
 
 
 _REPLICA_GONE = Failure("the replica serving this request failed; retry the request", 503, retry=True)
@@ -582,23 +598,23 @@ class Ingress:
 
     async def _first_item(self, payload: GenerateRequest, adapter: str | None = None) -> tuple[object, Item | None]:
         """Send the request to a replica and wait for its first item. A replica that is swapping its
-        model turns requests away: they are sent again (Serve picks a replica each time) until one
-        takes it, for at most swap_queue_timeout_s; then the swapping answer (a 503) stands. A
-        request for an adapter goes through Serve's model multiplexing, which prefers replicas that
-        have served it lately (so hold it in a slot)."""
-        deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
+        model turns requests away: they are sent again (`until_taken`). A request for an adapter
+        goes through Serve's model multiplexing, which prefers replicas that have served it lately
+        (so hold it in a slot)."""
         llm = self.llm.options(multiplexed_model_id=adapter) if adapter else self.llm
         data = encode(payload)  # once: a swapping replica's refusal sends the same bytes again
-        while True:
+
+        async def attempt() -> tuple[object, Item | None]:
             items = llm.generate.remote(data)
             try:
-                first = await anext(_items(items), None)
+                return items, await anext(_items(items), None)
             except BaseException:  # the client went away before the first token: end the request there too
                 items.cancel()
                 raise
-            if not (isinstance(first, Failure) and first.swapping) or asyncio.get_running_loop().time() > deadline:
-                return items, first
-            await asyncio.sleep(SWAP_RETRY_S)
+
+        return await until_taken(
+            attempt, lambda sent: isinstance(sent[1], Failure) and sent[1].swapping, self.config.swap_queue_timeout_s
+        )
 
     async def _stream(
         self, shape: ResponseShape, first: ChoiceChunk, items, include_usage: bool
@@ -882,24 +898,23 @@ class Ingress:
     async def _checked_adapter(self, name: str, path: str) -> dict:
         """A replica's check of the adapter (`LLMReplica.check_adapter`). A replica in its turn of a
         swap cannot check it, and one that fails under it (dies: a RayActorError) answers nothing:
-        the check is sent again (Serve picks a replica each time) for up to swap_queue_timeout_s,
-        as requests are, before the 503 stands."""
+        the check is sent again (`until_taken`) before the 503 stands."""
         replicas = self.replicas.options(multiplexed_model_id=name)
-        deadline = asyncio.get_running_loop().time() + self.config.swap_queue_timeout_s
-        while True:
+
+        async def attempt() -> dict:
             try:
-                check = await asyncio.wait_for(
+                return await asyncio.wait_for(
                     replicas.check_adapter.remote(name, path), self.config.engine_start_timeout_s
                 )
             except TimeoutError:
                 raise
             except Exception as e:
                 log.warning("the replica checking adapter %r failed: %r", name, e)
-                check = {"error": "the replica checking the adapter failed; retry", "status": 503, "failed": True}
-            again = check.get("swapping") or check.get("failed")
-            if not again or asyncio.get_running_loop().time() > deadline:
-                return check
-            await asyncio.sleep(SWAP_RETRY_S)
+                return {"error": "the replica checking the adapter failed; retry", "status": 503, "failed": True}
+
+        return await until_taken(
+            attempt, lambda check: check.get("swapping") or check.get("failed"), self.config.swap_queue_timeout_s
+        )
 
     @api.delete("/admin/lora-adapters/{name}")
     async def remove_lora_adapter(self, name: str, request: Request) -> Response:

@@ -35,13 +35,19 @@ COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 RAISED = re.compile(r"[A-Za-z_][\w.]*(Error|Exception): ")
 
 
-def reason(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     """A Ray actor error in one line, for status fields and clients: the last exception its text
     names (a rank's start failed: the ValueError its __init__ raised), else its first line. Its
     traceback, colour codes, actor id, pid and address stay in the log."""
     lines = [line.strip() for line in COLOURS.sub("", str(error)).splitlines() if line.strip()]
     raised = [line for line in lines if RAISED.match(line)]
     return raised[-1] if raised else lines[0] if lines else type(error).__name__
+
+
+def rank0_gone(error: ray.exceptions.RayActorError) -> EngineDeadError:
+    """What a call to a dead rank 0 raises: one line for the caller, Ray's whole text in the log."""
+    log.error("tensor-parallel rank 0 is gone: %s", error)
+    return EngineDeadError(f"tensor-parallel rank 0 is gone: {one_line(error)}")
 
 
 PING_TIMEOUT_S = 5.0
@@ -302,7 +308,7 @@ class ShardGroup:
             await asyncio.gather(*(s.alive.remote() for s in self.shards))
         except ray.exceptions.RayActorError as e:
             log.error("a tensor-parallel rank did not start: %s", e)
-            raise EngineDeadError(f"a tensor-parallel rank did not start: {reason(e)}") from None
+            raise EngineDeadError(f"a tensor-parallel rank did not start: {one_line(e)}") from None
 
     async def close(self) -> None:
         """Stop the step loop on rank 0 (which stops the followers), then end every rank's actor."""
@@ -373,8 +379,7 @@ class ShardGroup:
                 except ray.exceptions.RayTaskError as e:
                     raise e.cause from None
                 except ray.exceptions.RayActorError as e:
-                    log.error("tensor-parallel rank 0 is gone: %s", e)
-                    raise EngineDeadError(f"tensor-parallel rank 0 is gone: {reason(e)}") from None
+                    raise rank0_gone(e) from None
         finally:
             ray.cancel(refs)
 
@@ -390,8 +395,7 @@ class ShardGroup:
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
         except ray.exceptions.RayActorError as e:
-            log.error("tensor-parallel rank 0 is gone: %s", e)
-            raise EngineDeadError(f"tensor-parallel rank 0 is gone: {reason(e)}") from None
+            raise rank0_gone(e) from None
 
     async def status(self) -> EngineStatus:
         status, shards = await asyncio.wait_for(

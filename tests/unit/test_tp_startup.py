@@ -216,7 +216,7 @@ def test_a_rank_failure_reads_as_one_line_without_ray_internals():
     """A rank whose start failed put Ray's whole creation-task traceback (colour codes, actor id,
     pid, address; ~2 KB) into the swap's reason, /admin/model and the audit log; a rank that died
     put its actor id, pid and address into the 503 a client got. The log keeps the rest."""
-    from app.shards import reason
+    from app.shards import one_line
 
     failed_start = RuntimeError(
         "The actor died because of an error raised in its creation task, \x1b[36mray::ShardWorker.__init__()"
@@ -224,9 +224,9 @@ def test_a_rank_failure_reads_as_one_line_without_ray_internals():
         '  File "/srv/workers/front/shard_worker.py", line 49, in __init__\n    engine = LLMEngine(...)\n'
         "ValueError: num_attention_heads=9 is not divisible by tensor_parallel_size=2"
     )
-    assert reason(failed_start) == "ValueError: num_attention_heads=9 is not divisible by tensor_parallel_size=2"
+    assert one_line(failed_start) == "ValueError: num_attention_heads=9 is not divisible by tensor_parallel_size=2"
     died = RuntimeError(
         "The actor died unexpectedly before finishing this task.\n\tclass_name: ShardWorker\n\tactor_id: b534f8\n"
         "\tpid: 10039\n\tnamespace: serve\n\tip: 192.0.2.2"
     )
-    assert reason(died) == "The actor died unexpectedly before finishing this task."
+    assert one_line(died) == "The actor died unexpectedly before finishing this task."
