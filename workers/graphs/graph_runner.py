@@ -144,13 +144,15 @@ class GraphRunner(CapturedBuckets):
 
     # -- the step ------------------------------------------------------------------------------
 
-    def decode(self, batch: DecodeInputs) -> tuple[torch.Tensor, Dispatch]:
-        """Logits (rows, vocab) for one decode step, by graph when the table allows, else eager."""
+    def decode(self, batch: DecodeInputs, drawn: torch.Tensor | None = None) -> tuple[torch.Tensor, Dispatch]:
+        """Logits (rows, vocab) for one decode step, by graph when the table allows, else eager.
+        `drawn`: the tokens of the batch's first rows, on the device (the step before drew them and
+        the host has not read them yet; their places in `batch.tokens` hold anything)."""
         dispatch = self.table.dispatch(batch.rows)
         if dispatch.mode == ExecutionMode.EAGER:
-            return self.eager(batch), dispatch
+            return self.eager(batch, drawn), dispatch
         self.cache.set_pages(batch.pages)
-        self.model_runner.load(batch, dispatch.bucket)
+        self.model_runner.load(batch, dispatch.bucket, drawn)
         logits = self._replays[dispatch.bucket]()[: batch.rows]
         if self.shadow.due():
             return self._shadow_check(dispatch.bucket, logits), dispatch
@@ -168,20 +170,20 @@ class GraphRunner(CapturedBuckets):
             self._withdraw(bucket, FallbackReason.VERIFY_MISMATCH, f"shadow verification: {detail}")
         return eager
 
-    def eager(self, batch: DecodeInputs) -> torch.Tensor:
+    def eager(self, batch: DecodeInputs, drawn: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of a step run without graphs. Where the batch's bucket is captured, this runs the
         function it was captured from (compiled, if the policy compiles) on the same padded static
         inputs: a replay computes exactly that, so a request's tokens do not depend on whether it
         replays or is denied graphs (tenant toggle, rollout holdback). cuBLAS picks its kernels by
         the row count and the compiled step rounds unlike the plain one, and on a real model's near
         ties either alone changes tokens. Elsewhere (no graphs, a bucket that failed to capture,
-        rows above the ladder) the plain step on the live rows."""
+        rows above the ladder) the plain step on the live rows. `drawn` as for `decode`."""
         bucket = self.table.padded_size(batch.rows) if self.enabled else None
         self.cache.set_pages(batch.pages)
         if bucket in self.table.ready:
-            self.model_runner.load(batch, bucket)
+            self.model_runner.load(batch, bucket, drawn)
             return self.model_runner.step(bucket)[: batch.rows]
-        return self.model_runner.decode(batch)
+        return self.model_runner.decode(batch, drawn)
 
     def prefill(self, batch: PrefillInputs, graphs: bool = True) -> tuple[torch.Tensor, Dispatch]:
         """Logits of each sequence's last token, and how the call ran: a few tokens as rows of a

@@ -32,9 +32,13 @@ class ModelRunner:
         self.inputs = torch.zeros(4, max_rows, dtype=torch.int64, device=self.device)
         self._copy = PinnedCopy(self.inputs)
 
-    def load(self, batch: DecodeInputs, bucket: int) -> None:
-        """Copy the batch into the static inputs; rows past the batch pad to the scratch slot."""
+    def load(self, batch: DecodeInputs, bucket: int, drawn: torch.Tensor | None = None) -> None:
+        """Copy the batch into the static inputs; rows past the batch pad to the scratch slot.
+        `drawn`: the tokens of the batch's first rows, on the device (drawn by the step before,
+        which the host has not read yet)."""
         self._copy.fill(batch[:4], bucket, (0, 0, self.cache.scratch_slot, 0))
+        if drawn is not None:
+            self.inputs[0, : len(drawn)].copy_(drawn)
 
     def views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """tokens, positions, slots and (LoRA runner only) adapter slots of a bucket's static inputs."""
@@ -45,9 +49,12 @@ class ModelRunner:
         tokens, positions, slots, adapters = self.views(bucket)
         return self.step_fn(tokens, positions, slots, self.cache, adapters)
 
-    def decode(self, batch: DecodeInputs) -> torch.Tensor:
-        """The plain decode step on the batch's live rows, no static inputs, no padding."""
+    def decode(self, batch: DecodeInputs, drawn: torch.Tensor | None = None) -> torch.Tensor:
+        """The plain decode step on the batch's live rows, no static inputs, no padding (`drawn` as
+        for `load`)."""
         tokens, positions, slots, adapters = batch.to_device(self.device)
+        if drawn is not None:
+            tokens[: len(drawn)].copy_(drawn)
         return self.model.decode(tokens, positions, slots, self.cache, adapters if self.lora else None)
 
     def prefill(self, batch: PrefillInputs) -> torch.Tensor:

@@ -50,10 +50,13 @@ class DecodeInputs(NamedTuple):
     pages: list[int] = []
 
     @classmethod
-    def of(cls, seqs: Rows[ScheduledRow], pages: Rows[int] = ()) -> DecodeInputs:
+    def of(cls, seqs: Rows[ScheduledRow], pages: Rows[int] = (), drawn: int = 0) -> DecodeInputs:
+        """Each row decodes its sequence's last token; the first `drawn` rows decode the token the
+        step before drew for them, which the host has not read yet (on the device; 0 here), one
+        position further."""
         return cls(
-            [s.output_ids[-1] for s in seqs],
-            [s.length - 1 for s in seqs],
+            [0] * drawn + [s.output_ids[-1] for s in seqs[drawn:]],
+            [s.length for s in seqs[:drawn]] + [s.length - 1 for s in seqs[drawn:]],
             [s.slot for s in seqs],
             [s.adapter_slot for s in seqs],
             list(pages),

@@ -27,6 +27,8 @@ ended, and then the device idled while each later kernel was launched.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from workers.serving import grammar as grammar_module
@@ -131,6 +133,59 @@ class BitmaskBuffers:
         self._read.record(stream)
 
 
+class DrawnLogprobs(NamedTuple):
+    """The logprobs a draw computed for the rows that asked: (row, how many top tokens) per such
+    row, then per such row its token's logprob followed by the top ones' and the top ones' ids."""
+
+    wanted: list[tuple[int, int]]
+    values: torch.Tensor
+    ids: torch.Tensor
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, launched without waiting for the device
+    (a CPU tensor is its own copy)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+class Draw:
+    """A step's drawn tokens, on the device (where the next step's inputs can take them before the
+    host has) and on their way to the host. The copies are launched with the draw, so `read` waits
+    for the draw alone, never for a step launched after it."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: DrawnLogprobs | None, rows: int) -> None:
+        self.tokens = tokens
+        self.rows = rows
+        self._tokens = _to_host(tokens)
+        self._logprobs = (
+            None
+            if logprobs is None
+            else logprobs._replace(values=_to_host(logprobs.values), ids=_to_host(logprobs.ids))
+        )
+        self._copied = None
+        if tokens.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def read(self) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """The tokens, and each token's logprobs for the rows that asked (None where none did);
+        waits for the copies."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = self._tokens.tolist()
+        if self._logprobs is None:
+            return tokens, None
+        out: list[TokenLogprob | None] = [None] * self.rows
+        wanted, values, ids = self._logprobs
+        for (i, k), row_values, row_ids in zip(wanted, values.tolist(), ids.tolist()):
+            out[i] = TokenLogprob(row_values[0], list(zip(row_ids[:k], row_values[1 : k + 1])))
+        return tokens, out
+
+
 class BatchSampler:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.counts = torch.zeros(num_slots, vocab_size, device=device)  # fp32 counts: exact far past any length
@@ -161,8 +216,14 @@ class BatchSampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """One token per sequence, and each token's logprobs for the rows that asked (None where none
-        did). Logprobs are of the logits as penalties and logit_bias left them, before temperature.
-        The rows of `logits` under a grammar are changed in place: the caller reads them no more."""
+        did): `draw`, then its read."""
+        return self.draw(logits, seqs).read()
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Draw:
+        """Launch the draw of one token per sequence and the copies of what it drew to the host;
+        returns without waiting for the device. Logprobs are of the logits as penalties and
+        logit_bias left them, before temperature. The rows of `logits` under a grammar are changed
+        in place: the caller reads them no more."""
         params = [s.params for s in seqs]
         constrained = self._send_masks(seqs)  # first: what the fill ahead left is filled while the device runs
         logits = logits.float()
@@ -177,9 +238,8 @@ class BatchSampler:
         tokens = sample(logits, params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
         if penalized:
             self._record(index, tokens)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprobs = self._logprobs(logits, tokens, params, wanted) if wanted else None
-        return tokens.tolist(), logprobs
+        wanted = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
+        return Draw(tokens, self._logprobs(logits, tokens, wanted) if wanted else None, len(seqs))
 
     def _send_masks(self, seqs: list[Sequence]) -> bool:
         """Send the token bitmasks of the rows with a grammar to the device, those the fill ahead
@@ -260,16 +320,8 @@ class BatchSampler:
         self.counts.index_put_((slots, tokens[rows]), torch.ones(len(rows), device=tokens.device), accumulate=True)
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], rows: list[int]
-    ) -> list[TokenLogprob | None]:
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[tuple[int, int]]) -> DrawnLogprobs:
+        rows = [i for i, _ in wanted]
         index = on_device(rows, torch.int64, logits.device)
-        chosen, top_values, top_ids = token_logprobs(
-            logits[index], tokens[index], max(params[i].logprobs for i in rows)
-        )
-        values = torch.cat([chosen[:, None], top_values], dim=1).tolist()
-        out: list[TokenLogprob | None] = [None] * len(params)
-        for i, row_values, ids in zip(rows, values, top_ids.tolist()):
-            k = params[i].logprobs
-            out[i] = TokenLogprob(row_values[0], list(zip(ids[:k], row_values[1 : k + 1])))
-        return out
+        chosen, top_values, top_ids = token_logprobs(logits[index], tokens[index], max(k for _, k in wanted))
+        return DrawnLogprobs(wanted, torch.cat([chosen[:, None], top_values], dim=1), top_ids)
