@@ -222,6 +222,17 @@ class AppConfig(BaseModel):
             "(name, path, load); idle cached pages are evicted least recently used when the pool needs room."
         ),
     )
+    async_scheduling: bool = Field(
+        True,
+        description=(
+            "Launch each decode step before the host has read the last step's tokens: the step takes them on "
+            "the device, and the host's work on them (stop checks, grammars, streaming) runs while the device "
+            "decodes, instead of between steps. A row that ends on a token not read yet (EOS, a stop id, a "
+            "complete JSON document) computes one more position, whose result is dropped; tokens are the same "
+            "either way. Off under tensor parallelism (follower ranks take each step's tokens from rank 0), and "
+            "for a step with rows denied graphs (tenant toggle, rollout holdback)."
+        ),
+    )
     compile_cache_dir: str | None = Field(
         None,
         description="the on-disk cache of the compiled decode step (inductor's and Triton's; `compile` is on by "

@@ -84,6 +84,7 @@ def engine_config(config: AppConfig) -> EngineConfig:
         kv_cache_memory_fraction=config.kv_cache_memory_fraction,
         compile_cache_dir=config.compile_cache_dir,
         enable_prefix_caching=config.enable_prefix_caching,
+        async_scheduling=config.async_scheduling,
         max_num_batched_tokens=config.max_num_batched_tokens,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         max_prefill_delay_ms=config.max_prefill_delay_ms or 0.0,

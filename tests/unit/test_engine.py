@@ -720,14 +720,14 @@ def test_logprobs_are_log_softmax_of_the_engine_logits(tiny, monkeypatch):
     first; a request that did not ask gets none, and one per token is reported for those that did."""
     engine = new_engine(tiny, max_num_seqs=3)
     seen: dict[str, list[torch.Tensor]] = {}
-    sample = engine.sampler.sample
+    draw = engine.sampler.draw
 
     def spy(logits, seqs):
         for row, seq in zip(logits, seqs):
             seen.setdefault(seq.request_id, []).append(row.float().clone())
-        return sample(logits, seqs)
+        return draw(logits, seqs)
 
-    monkeypatch.setattr(engine.sampler, "sample", spy)
+    monkeypatch.setattr(engine.sampler, "draw", spy)
     rng = random.Random(10)
     asked = [
         SamplingParams(max_tokens=8, temperature=0.0, logprobs=4, ignore_eos=True),

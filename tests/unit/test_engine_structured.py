@@ -209,9 +209,9 @@ def test_compiling_holds_up_only_its_own_request(tiny, monkeypatch):
     free = engine.add_request(prompt(3), SamplingParams(max_tokens=8, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert (
-        len(free.output_ids) == 5 and not waiting.output_ids
-    )  # the first step prefills and decodes and engine.find(waiting.request_id) is waiting
+    # a token a step at least (the first prefills, and decodes a second unless async scheduling keeps
+    # that token on the device until the next step)
+    assert len(free.output_ids) >= 4 and not waiting.output_ids and engine.find(waiting.request_id) is waiting
     assert engine.abort(cancelled.request_id) and cancelled.finish_reason == "abort"
     release.set()
     while engine.has_work():

@@ -1,6 +1,14 @@
-"""The synchronous engine: one `step()` admits and prefills new requests, then decodes the whole
-running batch by one token. It is driven from a thread (`async_engine.py`) or, in a serving replica,
-from a process of its own (`engine_process.py`)."""
+"""The engine: one `step()` admits and prefills new requests, then decodes the whole running batch
+by one token. It is driven from a thread (`async_engine.py`) or, in a serving replica, from a
+process of its own (`engine_process.py`).
+
+With async scheduling (`EngineConfig.async_scheduling`), a decode step is launched before the host
+has read the tokens of the step before: the new step's inputs take those tokens on the device, and
+the host reads them and does its work on them (stop checks, grammars, events) while the device
+runs the new step. So a step's tokens come out of the next `step()`, and a row that ends on a token
+the host had not read yet (EOS, a stop id, a complete grammar) has computed one position more,
+whose logits are dropped. A row whose next token is its last by length is not decoded again.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,15 +37,15 @@ from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.modeling.lora import AdapterError, adapter_version, load_adapter
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
-from workers.serving.batch_sampler import BatchSampler
+from workers.serving.batch_sampler import BatchSampler, Draw
 from workers.serving.compile_key import key_inputs
 from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import GrammarCompiler
 from workers.serving.json_schema import InvalidSchema
 from workers.serving.kv_sizing import agree_num_pages, plan_num_pages, prefill_sizes
 from workers.serving.outputs import EngineStatus, KvCacheStatus, TokenEvent
-from workers.serving.sampling import InvalidRequest, SamplingParams
-from workers.serving.sampling_ops import apply_token_bitmask, sample
+from workers.serving.sampling import InvalidRequest, SamplingParams, TokenLogprob
+from workers.serving.sampling_ops import apply_token_bitmask, on_device, sample
 from workers.serving.scheduler import QueueFull, Scheduler, Sequence, new_sequence
 from workers.serving.startup import StartupClock
 from workers.serving.stats import CallTimer, EngineStats
@@ -56,6 +65,16 @@ from workers.tensor_parallel.tp import (
 log = logging.getLogger(__name__)
 MB = 1 << 20
 COMPILE_WAIT_S = 0.01  # with nothing but grammars compiling, a step waits this long for one (no spinning)
+
+
+@dataclass
+class InFlight:
+    """A decode step launched and drawn whose tokens the host has not read: its rows' sequences,
+    the draw, and the timings of its model calls (readable once the draw is)."""
+
+    seqs: list[Sequence]
+    draw: Draw
+    timer: CallTimer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -217,6 +236,9 @@ class LLMEngine:
         self.grammars = grammar_compiler(tokenizer, self.eos_token_ids, model.cfg.vocab_size)
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # waiting for their grammar
         self.channel = channel
+        # followers take each step's tokens from the channel, which has them only once read
+        self.async_scheduling = config.async_scheduling and channel is None
+        self._in_flight: InFlight | None = None
         try:
             self.runners.prepare(on_state=self._set_state)
             for runner in self.runners.all:
@@ -516,7 +538,7 @@ class LLMEngine:
         return parked[0] if parked is not None else self.scheduler.find(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling) or self._in_flight is not None
 
     def _take_compiled(self, events: dict[str, TokenEvent]) -> None:
         """Queue the requests whose grammar is ready (a continuation's replays the tokens its client
@@ -574,6 +596,8 @@ class LLMEngine:
             start = time.perf_counter()
             self._decode(batch, events, self.scheduler.take_edits())
             self.stats.record_busy("decode", time.perf_counter() - start)
+        elif self._in_flight is not None:
+            self._take(events)
         return list(events.values())
 
     def _prefill(self, chunks: list[Sequence], admitted: list[Sequence], events: dict[str, TokenEvent]) -> None:
@@ -601,17 +625,65 @@ class LLMEngine:
         if rows:
             seqs = [chunks[i] for i in rows]
             self.sampler.admit(seqs)
-            self._accept(seqs, logits[rows] if len(rows) < len(chunks) else logits, events)
+            self._accept(seqs, *self.sampler.sample(logits[rows] if len(rows) < len(chunks) else logits, seqs), events)
 
     def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent], pages: list[int]) -> None:
-        """One token for every running sequence. Rows whose request may not use graphs run eager
-        in a second call; the others still replay (they are not dragged to eager). The step's
-        block-table edits go with its first model call."""
+        """One token for every running sequence: the step launched and drawn; its tokens are read
+        now, or with async scheduling by the next step, once that is launched (then this step's
+        events are the step before's tokens)."""
+        flight = self._in_flight
+        if flight is not None and any(s.graph_denial is not None for s in seqs):
+            self._take(events)  # a denied row's eager call takes its token from the host
+            flight = None
+            seqs = [s for s in seqs if s.finish_reason is None]
+        drawn = None
+        if flight is not None:
+            seqs, drawn = self._continue(flight, seqs)
+        if seqs:
+            logits, timer = self._forward(seqs, pages, drawn)
+        if flight is not None:
+            self._take(events)  # the step before's tokens, while the device runs this one
+        if not seqs:
+            return
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+        if len(live) < len(seqs):  # ended on the tokens just read: their rows are dropped
+            seqs = [seqs[i] for i in live]
+            logits = logits[on_device(live, torch.int64, logits.device)]
+        self._in_flight = InFlight(seqs, self.sampler.draw(logits, seqs), timer)
+        if not self.async_scheduling:
+            self._take(events)
+
+    def _continue(self, flight: InFlight, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The step's rows with the in-flight step's rows first, in its order, and their drawn
+        tokens (still on the device) as those rows' inputs. A row whose drawn token is its last by
+        length is left out: it ends when the token is read."""
+        index = {id(s): i for i, s in enumerate(flight.seqs)}
+        continued = sorted(
+            (index[id(s)], s)
+            for s in seqs
+            if id(s) in index and len(s.output_ids) + 1 < s.params.max_tokens and s.length + 1 < self.max_model_len
+        )
+        rest = [s for s in seqs if id(s) not in index]
+        rows = [i for i, _ in continued]
+        if not rows:
+            return rest, None
+        tokens = flight.draw.tokens
+        in_order = rows[-1] == len(rows) - 1  # the in-flight rows continue in place: no gather
+        drawn = tokens[: len(rows)] if in_order else tokens[on_device(rows, torch.int64, tokens.device)]
+        return [s for _, s in continued] + rest, drawn
+
+    def _forward(
+        self, seqs: list[Sequence], pages: list[int], drawn: torch.Tensor | None
+    ) -> tuple[torch.Tensor, CallTimer]:
+        """Launch the step's model calls: its logits, and its calls' timer. Rows whose request may
+        not use graphs run eager in a second call (never with `drawn` tokens); the others still
+        replay (they are not dragged to eager). The step's block-table edits go with its first
+        model call."""
         allowed, denied = split_by_permission([s.graph_denial for s in seqs])
         timer = CallTimer(self.device)
         if not denied:
             with timer.call("graph", len(seqs)):
-                logits = self._decode_rows(seqs, pages)
+                logits = self._decode_rows(seqs, pages, drawn)
         else:
             logits = torch.empty(len(seqs), self.model.cfg.vocab_size, device=self.device)
             if allowed:
@@ -627,28 +699,41 @@ class LLMEngine:
                 logits[rows] = self.runners.of(batch).eager(batch).float()
             for reason, group in denied.items():
                 self.stats.record_step("eager", "none", reason.value, len(group), 0)
-        self._accept(seqs, logits, events)
-        for cohort, rows, seconds in timer.results():  # after _accept's sync: every call has ended
-            self.stats.record_cohort_call(cohort, rows, seconds)
         self.stats.record_decode(len(seqs))
+        return logits, timer
 
-    def _decode_rows(self, seqs: list[Sequence], pages: list[int]) -> torch.Tensor:
-        batch = DecodeInputs.of(seqs, pages)
+    def _take(self, events: dict[str, TokenEvent]) -> None:
+        """Read the in-flight step's tokens and take them."""
+        flight, self._in_flight = self._in_flight, None
+        self._accept(flight.seqs, *flight.draw.read(), events)
+        for cohort, rows, seconds in flight.timer.results():  # the draw read: every call has ended
+            self.stats.record_cohort_call(cohort, rows, seconds)
+
+    def _decode_rows(self, seqs: list[Sequence], pages: list[int], drawn: torch.Tensor | None = None) -> torch.Tensor:
+        batch = DecodeInputs.of(seqs, pages, 0 if drawn is None else len(drawn))
         self._send(DECODE, batch)
         runner = self.runners.of(batch)
-        logits, d = runner.decode(batch)
+        logits, d = runner.decode(batch, drawn)
         reason = d.reason.value if d.reason else "none"
         padding = (d.bucket or len(seqs)) - len(seqs)
         self.stats.record_step(d.mode.value, runner.bucket_id(d.bucket), reason, len(seqs), padding)
         return logits
 
-    def _accept(self, seqs: list[Sequence], logits: torch.Tensor, events: dict[str, TokenEvent]) -> None:
-        """Sample one token per sequence, record it, and retire sequences that are done."""
-        drawn, logprobs = self.sampler.sample(logits, seqs)
+    def _accept(
+        self,
+        seqs: list[Sequence],
+        drawn: list[int],
+        logprobs: list[TokenLogprob | None] | None,
+        events: dict[str, TokenEvent],
+    ) -> None:
+        """Record the token drawn for each sequence, and retire sequences that are done. A sequence
+        that ended while its token was drawn (aborted, or a stop string found) takes none."""
         now = time.monotonic()
         if self.adapter_slots is not None:
             self.stats.record_adapter_tokens(Counter(s.adapter[0] for s in seqs if s.adapter is not None))
         for i, (seq, token) in enumerate(zip(seqs, drawn)):
+            if seq.finish_reason is not None:
+                continue
             p = seq.params
             kept = None if p.logprobs is None else []  # the logprobs of its tokens, when it asked for them
             event = events.setdefault(
@@ -674,8 +759,9 @@ class LLMEngine:
                 self._retire(seq, "stop", event)
             elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
                 self._retire(seq, "length", event)
-        # the next masks of the rows still running, in the filler's thread while this step ends and
-        # the next is prepared and launched: `sample` waits for them
+        # the next masks of the rows still running, on the filler's pool while this step ends and
+        # the next is prepared and launched: its draw waits for them (with async scheduling the next
+        # is launched already, and the pool fills a large batch faster than this thread)
         self.sampler.fill_ahead(seqs)
 
     def _retire(self, seq: Sequence, reason: str, event: TokenEvent) -> None:

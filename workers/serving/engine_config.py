@@ -35,6 +35,7 @@ class EngineConfig:
     graph_policy: GraphPolicy = GraphPolicy()
     lora: LoraLimits | None = None  # adapter slots; None: LoRA off, and it costs nothing
     enable_prefix_caching: bool = True  # reuse the KV pages of a cached prompt prefix (`kv_blocks.py`)
+    async_scheduling: bool = True  # launch each decode step before the last one's tokens are read (`engine.py`)
 
     def __post_init__(self) -> None:
         """Limits that cannot work, refused naming the key (others where their part is built)."""

@@ -1,0 +1,209 @@
+"""Async scheduling: each decode step is launched before the host reads the step before's tokens.
+It must decode what the synchronous engine decodes (fp32 on CPU: token for token, logprobs too),
+report each token once and in order, end every row where the synchronous engine ends it, and give
+nothing to a request that ended while its token was in flight."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.dispatch import FallbackReason
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
+from workers.front.async_engine import apply_contained
+from workers.protocol import Deny
+from workers.serving.batch_sampler import Draw
+from workers.serving.json_schema import canonical_schema
+from workers.serving.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+BOS = 256
+SCHEMA = canonical_schema(
+    {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["kind", "n"],
+        "additionalProperties": False,
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    return load_tiny(tmp_path_factory)
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [BOS] + [rng.randrange(256) for _ in range(n - 1)]
+
+
+def mixed_params(rng: random.Random) -> SamplingParams:
+    """One of the ways a request samples, ends and reports; lengths from one token up."""
+    kind = rng.randrange(7)
+    common = dict(max_tokens=rng.choice([1, 2, 3, 7, 19, 40]), seed=rng.randrange(1000))
+    if kind == 0:
+        return SamplingParams(temperature=0.0, **common)  # may end on EOS
+    if kind == 1:
+        return SamplingParams(temperature=1.0, top_p=0.9, ignore_eos=True, logprobs=2, **common)
+    if kind == 2:
+        return SamplingParams(temperature=0.8, frequency_penalty=0.7, logit_bias=((65, 2.0),), **common)
+    if kind == 3:  # ends on a token the host reads a step late
+        return SamplingParams(temperature=1.0, stop_token_ids=(rng.randrange(256), rng.randrange(256)), **common)
+    if kind == 4:
+        return SamplingParams(temperature=0.0, repetition_penalty=1.3, ignore_eos=True, logprobs=0, **common)
+    if kind == 5:
+        return SamplingParams(temperature=0.7, top_k=5, json_schema=SCHEMA, **{**common, "max_tokens": 30})
+    return SamplingParams(temperature=1.2, ignore_eos=True, **common)
+
+
+def workload(seed: int, waves: int = 6, per_wave: int = 4):
+    """Waves of requests, one wave a step: prompts sharing prefixes (the prefix cache), a few denied
+    graphs (their steps run without async scheduling), every kind of `mixed_params`."""
+    rng = random.Random(seed)
+    shared = prompt(rng, 17)
+    out = []
+    for _ in range(waves):
+        wave = []
+        for _ in range(per_wave):
+            p = shared + prompt(rng, rng.randint(2, 8))[1:] if rng.random() < 0.4 else prompt(rng, rng.randint(2, 24))
+            denial = FallbackReason.TENANT_DISABLED if rng.random() < 0.15 else None
+            wave.append((p, mixed_params(rng), denial))
+        out.append(wave)
+    return out
+
+
+def drive(engine, waves) -> tuple[list, dict[str, list[int]], dict[str, list]]:
+    """Each wave added before a step, then steps to the end; (sequences, tokens reported per
+    request, logprobs reported per request)."""
+    seqs, tokens, logprobs = [], {}, {}
+    steps = 0
+    pending = list(waves)
+    while pending or engine.has_work():
+        if pending:
+            for p, params, denial in pending.pop(0):
+                seq = engine.add_request(p, params, graph_denial=denial)
+                seqs.append(seq)
+                tokens[seq.request_id], logprobs[seq.request_id] = [], []
+        for event in engine.step():
+            tokens[event.request_id] += event.token_ids
+            logprobs[event.request_id] += event.logprobs or []
+        steps += 1
+        assert steps < 5000, "the engine does not finish"
+    return seqs, tokens, logprobs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_async_steps_decode_what_synchronous_steps_decode(tiny, seed):
+    """A small KV pool (the newest are preempted and prefilled again, some with a token in flight),
+    arrivals every step, every way of sampling and ending: the same tokens, logprobs and finish
+    reasons as the synchronous engine, each token reported once, in order, and every page back."""
+    runs = {}
+    for async_scheduling in (False, True):
+        engine = new_engine(
+            tiny, max_num_seqs=8, kv_page_size=8, kv_cache_tokens=160, async_scheduling=async_scheduling
+        )
+        seqs, tokens, logprobs = drive(engine, workload(seed))
+        assert engine.status().kv_cache.preemptions > 0
+        for seq in seqs:
+            assert tokens[seq.request_id] == seq.output_ids
+            assert seq.finish_reason in ("stop", "length")
+            assert len(logprobs[seq.request_id]) == (len(seq.output_ids) if seq.params.logprobs is not None else 0)
+        assert engine.scheduler.blocks.num_free == engine.cache.num_pages - 1
+        assert not engine.has_work() and engine._in_flight is None
+        runs[async_scheduling] = [(s.output_ids, s.finish_reason, logprobs[s.request_id]) for s in seqs]
+    for (sync_ids, sync_reason, sync_lps), (ids, reason, lps) in zip(runs[False], runs[True], strict=True):
+        assert (ids, reason) == (sync_ids, sync_reason)
+        for a, b in zip(lps, sync_lps, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert any(reason == "stop" for _, reason, _ in runs[True])  # some ended on a token read a step late
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_a_row_is_decoded_no_more_than_its_length_needs(tiny, max_tokens):
+    """A row whose drawn token is its last by max_tokens is not decoded again: the same decode
+    steps as the synchronous engine."""
+    steps = {}
+    for async_scheduling in (False, True):
+        engine = new_engine(tiny, max_num_seqs=2, async_scheduling=async_scheduling)
+        seq = engine.add_request([BOS, 5, 6], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        assert len(seq.output_ids) == max_tokens and seq.finish_reason == "length"
+        steps[async_scheduling] = engine.stats.decode_steps
+    assert steps[True] == steps[False] == max_tokens - 1
+
+
+def test_the_next_step_is_launched_before_the_last_tokens_are_read(tiny, monkeypatch):
+    """What the overlap is: with async scheduling a decode step is launched, then the step
+    before's tokens read; synchronously every step's tokens are read before the next launch."""
+    read = Draw.read
+    engines = {a: new_engine(tiny, max_num_seqs=2, async_scheduling=a) for a in (False, True)}
+    logs = {}
+    for async_scheduling, engine in engines.items():
+        log = logs[async_scheduling] = []
+        decode = engine.runner.decode
+
+        def launched(batch, drawn=None, decode=decode, log=log):
+            log.append("decode")
+            return decode(batch, drawn)
+
+        def reading(self, log=log):
+            log.append("read")
+            return read(self)
+
+        monkeypatch.setattr(engine.runner, "decode", launched)
+        monkeypatch.setattr(Draw, "read", reading)
+        engine.add_request([BOS, 9, 8, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+    # the prefill's first token, then tokens 2 to 5 from four decode steps
+    assert logs[False] == ["read", "decode", "read", "decode", "read", "decode", "read", "decode", "read"]
+    assert logs[True] == ["read", "decode", "decode", "read", "decode", "read", "decode", "read", "read"]
+
+
+def test_a_request_ended_while_its_token_is_in_flight_gets_no_more(tiny):
+    """An abort (a client gone, a stop string) between steps ends the request at once: the token
+    drawn for it and not read yet is dropped, and the others decode as before."""
+    engine = new_engine(tiny, max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kept = engine.add_request([BOS, 1, 2, 3], params)
+    ended = engine.add_request([BOS, 4, 5, 6], params)
+    reported = {kept.request_id: [], ended.request_id: []}
+    for _ in range(4):
+        for event in engine.step():
+            reported[event.request_id] += event.token_ids
+    assert ended in engine._in_flight.seqs
+    assert engine.abort(ended.request_id)
+    held = list(ended.output_ids)
+    while engine.has_work():
+        for event in engine.step():
+            reported[event.request_id] += event.token_ids
+    assert ended.output_ids == held == reported[ended.request_id] and ended.finish_reason == "abort"
+    assert reported[kept.request_id] == kept.output_ids and len(kept.output_ids) == 12
+    alone = new_engine(tiny, max_num_seqs=4, async_scheduling=False)
+    again = alone.add_request([BOS, 1, 2, 3], params)
+    while alone.has_work():
+        alone.step()
+    assert again.output_ids == kept.output_ids
+
+
+def test_a_row_denied_graphs_mid_stream_takes_its_tokens_first(tiny):
+    """A tenant toggled off while its request's token is in flight: that step reads the tokens
+    before it launches (the denied row's eager call takes its token from the host), then decodes
+    on; the tokens are those of an engine that never overlaps."""
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = new_engine(tiny, max_num_seqs=4, async_scheduling=async_scheduling)
+        params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+        seqs = [engine.add_request([BOS, 7, i], params) for i in range(3)]
+        for _ in range(3):
+            engine.step()
+        apply_contained(engine, Deny(seqs[1].request_id, FallbackReason.TENANT_DISABLED))
+        while engine.has_work():
+            engine.step()
+        outputs[async_scheduling] = [s.output_ids for s in seqs]
+        denied = [p for p in engine.stats.snapshot()["decode_step_parts"] if p["fallback_reason"] == "tenant_disabled"]
+        assert denied and denied[0]["rows"] == 10 - 4  # its rows after the 4 tokens drawn before the toggle
+    assert outputs[True] == outputs[False]
