@@ -120,19 +120,29 @@ def test_async_steps_decode_what_synchronous_steps_decode(tiny, seed):
     assert any(reason == "stop" for _, reason, _ in runs[True])  # some ended on a token read a step late
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 6, 14])
 def test_a_row_is_decoded_no_more_than_its_length_needs(tiny, max_tokens):
-    """A row whose drawn token is its last by max_tokens is not decoded again: the same decode
-    steps as the synchronous engine."""
-    steps = {}
+    """A row whose drawn token is its last by max_tokens is not decoded again, and gets no position
+    for it: the same decode steps as the synchronous engine, and the same pages when it ends (a
+    3-token prompt and 8-token pages: after 6 and 14 tokens the next position would start a page)."""
+    ends = {}
     for async_scheduling in (False, True):
-        engine = new_engine(tiny, max_num_seqs=2, async_scheduling=async_scheduling)
+        engine = new_engine(tiny, max_num_seqs=2, kv_page_size=8, async_scheduling=async_scheduling)
+        blocks = engine.scheduler.blocks
+        free = blocks.free
+        held = []
+
+        def freeing(seq_id, free=free, held=held, blocks=blocks):
+            held.append((len(blocks.block_table(seq_id)), blocks.tokens(seq_id)))
+            free(seq_id)
+
+        blocks.free = freeing
         seq = engine.add_request([BOS, 5, 6], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         while engine.has_work():
             engine.step()
         assert len(seq.output_ids) == max_tokens and seq.finish_reason == "length"
-        steps[async_scheduling] = engine.stats.decode_steps
-    assert steps[True] == steps[False] == max_tokens - 1
+        ends[async_scheduling] = engine.stats.decode_steps, held
+    assert ends[True] == ends[False] == (max_tokens - 1, [(-(-(max_tokens + 2) // 8), max_tokens + 2)])
 
 
 def test_the_next_step_is_launched_before_the_last_tokens_are_read(tiny, monkeypatch):

@@ -589,8 +589,9 @@ class LLMEngine:
             if first_tokens is not None and events:
                 first_tokens(list(events.values()))
                 events = {}
-        if self.scheduler.running:
-            self.scheduler.reserve_decode()  # may preempt the newest: they wait to be prefilled again
+        if self.scheduler.running:  # may preempt the newest: they wait to be prefilled again
+            ending = [s.request_id for s in self._in_flight.seqs if self._drew_last(s)] if self._in_flight else []
+            self.scheduler.reserve_decode(ending)  # no position for a row that is not decoded again
         batch = [s for s in self.scheduler.running.values() if not s.in_prefill]
         if batch:
             start = time.perf_counter()
@@ -658,11 +659,7 @@ class LLMEngine:
         tokens (still on the device) as those rows' inputs. A row whose drawn token is its last by
         length is left out: it ends when the token is read."""
         index = {id(s): i for i, s in enumerate(flight.seqs)}
-        continued = sorted(
-            (index[id(s)], s)
-            for s in seqs
-            if id(s) in index and len(s.output_ids) + 1 < s.params.max_tokens and s.length + 1 < self.max_model_len
-        )
+        continued = sorted((index[id(s)], s) for s in seqs if id(s) in index and not self._drew_last(s))
         rest = [s for s in seqs if id(s) not in index]
         rows = [i for i, _ in continued]
         if not rows:
@@ -671,6 +668,10 @@ class LLMEngine:
         in_order = rows[-1] == len(rows) - 1  # the in-flight rows continue in place: no gather
         drawn = tokens[: len(rows)] if in_order else tokens[on_device(rows, torch.int64, tokens.device)]
         return [s for _, s in continued] + rest, drawn
+
+    def _drew_last(self, seq: Sequence) -> bool:
+        """Whether the token in flight for seq is its last by max_tokens or max_model_len."""
+        return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.length + 1 >= self.max_model_len
 
     def _forward(
         self, seqs: list[Sequence], pages: list[int], drawn: torch.Tensor | None
