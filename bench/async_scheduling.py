@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -79,7 +80,11 @@ def replay_ms(engine: LLMEngine, bs: int, steps: int) -> float | None:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-def config_rows(args: argparse.Namespace, name: str, tokenizer, device: torch.device) -> list[dict]:
+def config_rows(
+    args: argparse.Namespace, name: str, tokenizer, device: torch.device, rows: list[dict], report: Callable[[], None]
+) -> None:
+    """Measure one model shape; each row is added to `rows` and reported as soon as it is measured
+    (a run cut short by a time limit keeps what it measured)."""
     model = random_model(name, args.max_model_len, device)
     buckets = tuple(sorted(set(args.batch_sizes)))
     mode = "full" if device.type == "cuda" else "eager"
@@ -89,7 +94,6 @@ def config_rows(args: argparse.Namespace, name: str, tokenizer, device: torch.de
     )
     engine = LLMEngine(model, config, (tokenizer.eos_token_id,), tokenizer=tokenizer)
     schema = canonical_schema(BENCH_SCHEMA)
-    rows = []
     for bs in args.batch_sizes:
         for kind, s in (("free", None), ("constrained", schema)):
             times: dict[str, list[float]] = {"sync": [], "async": []}
@@ -113,10 +117,10 @@ def config_rows(args: argparse.Namespace, name: str, tokenizer, device: torch.de
             )
             rows.append(row)
             print(row, flush=True)
+            report()
     del engine, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 def table(result: dict) -> str:
@@ -159,16 +163,17 @@ def main() -> None:
     args = ap.parse_args()
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.tokenizer)
-    rows = [row for name in args.configs for row in config_rows(args, name, tokenizer, device)]
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     meta = {"device": f"{label} ({len(os.sched_getaffinity(0))} host cores)", "torch": torch.__version__}
+    rows: list[dict] = []
     result = {"meta": meta, "max_model_len": args.max_model_len, "steps": args.steps, "rows": rows}
     note = (
         "TPOT: the wall time of consecutive engine steps over their count (no synchronization between steps); "
         "replay: the bucket's captured step replayed back to back. Over free: constrained TPOT over the free "
         "batch's in the same mode.\n\n"
     )
-    write_report(args.out, result, table(result), note)
+    for name in args.configs:
+        config_rows(args, name, tokenizer, device, rows, lambda: write_report(args.out, result, table(result), note))
 
 
 if __name__ == "__main__":
