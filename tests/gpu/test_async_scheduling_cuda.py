@@ -6,7 +6,7 @@ way of sampling and ending, structured outputs and rows denied graphs."""
 import pytest
 
 from policies.graph_policy import GraphPolicy
-from tests.unit.test_async_scheduling import drive, workload
+from tests.unit.test_async_scheduling import assert_same_outcomes, drive, outcomes, workload
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
 
@@ -33,9 +33,5 @@ def test_async_graph_steps_decode_what_synchronous_ones_decode(tmp_path, monkeyp
         seqs, tokens, logprobs = drive(engine, workload(seed))
         assert engine.status().kv_cache.preemptions > 0
         assert all(tokens[s.request_id] == s.output_ids for s in seqs)
-        runs[async_scheduling] = [(s.output_ids, s.finish_reason, logprobs[s.request_id]) for s in seqs]
-    for (sync_ids, sync_reason, sync_lps), (ids, reason, lps) in zip(runs[False], runs[True], strict=True):
-        assert (ids, reason) == (sync_ids, sync_reason)
-        for a, b in zip(lps, sync_lps, strict=True):
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        runs[async_scheduling] = outcomes(seqs, logprobs)
+    assert_same_outcomes(runs[True], runs[False])

@@ -93,6 +93,20 @@ def drive(engine, waves) -> tuple[list, dict[str, list[int]], dict[str, list]]:
     return seqs, tokens, logprobs
 
 
+def outcomes(seqs, logprobs: dict[str, list]) -> list[tuple]:
+    """Per request: its tokens, its finish reason and the logprobs reported for it."""
+    return [(s.output_ids, s.finish_reason, logprobs[s.request_id]) for s in seqs]
+
+
+def assert_same_outcomes(got: list[tuple], expected: list[tuple]) -> None:
+    """The same tokens and finish reasons; logprobs within 1e-4 and the same top tokens."""
+    for (ids, reason, lps), (want_ids, want_reason, want_lps) in zip(got, expected, strict=True):
+        assert (ids, reason) == (want_ids, want_reason)
+        for a, b in zip(lps, want_lps, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_async_steps_decode_what_synchronous_steps_decode(tiny, seed):
     """A small KV pool (the newest are preempted and prefilled again, some with a token in flight),
@@ -111,12 +125,8 @@ def test_async_steps_decode_what_synchronous_steps_decode(tiny, seed):
             assert len(logprobs[seq.request_id]) == (len(seq.output_ids) if seq.params.logprobs is not None else 0)
         assert engine.scheduler.blocks.num_free == engine.cache.num_pages - 1
         assert not engine.has_work() and engine._in_flight is None
-        runs[async_scheduling] = [(s.output_ids, s.finish_reason, logprobs[s.request_id]) for s in seqs]
-    for (sync_ids, sync_reason, sync_lps), (ids, reason, lps) in zip(runs[False], runs[True], strict=True):
-        assert (ids, reason) == (sync_ids, sync_reason)
-        for a, b in zip(lps, sync_lps, strict=True):
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        runs[async_scheduling] = outcomes(seqs, logprobs)
+    assert_same_outcomes(runs[True], runs[False])
     assert any(reason == "stop" for _, reason, _ in runs[True])  # some ended on a token read a step late
 
 
