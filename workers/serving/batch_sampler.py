@@ -157,9 +157,8 @@ class Draw:
     host has) and on their way to the host. The copies are launched with the draw, so `read` waits
     for the draw alone, never for a step launched after it."""
 
-    def __init__(self, tokens: torch.Tensor, logprobs: DrawnLogprobs | None, rows: int) -> None:
+    def __init__(self, tokens: torch.Tensor, logprobs: DrawnLogprobs | None) -> None:
         self.tokens = tokens
-        self.rows = rows
         self._tokens = _to_host(tokens)
         self._logprobs = (
             None
@@ -179,7 +178,7 @@ class Draw:
         tokens = self._tokens.tolist()
         if self._logprobs is None:
             return tokens, None
-        out: list[TokenLogprob | None] = [None] * self.rows
+        out: list[TokenLogprob | None] = [None] * len(tokens)
         wanted, values, ids = self._logprobs
         for (i, k), row_values, row_ids in zip(wanted, values.tolist(), ids.tolist()):
             out[i] = TokenLogprob(row_values[0], list(zip(row_ids[:k], row_values[1 : k + 1])))
@@ -239,7 +238,7 @@ class BatchSampler:
         if penalized:
             self._record(index, tokens)
         wanted = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
-        return Draw(tokens, self._logprobs(logits, tokens, wanted) if wanted else None, len(seqs))
+        return Draw(tokens, self._logprobs(logits, tokens, wanted) if wanted else None)
 
     def _send_masks(self, seqs: list[Sequence]) -> bool:
         """Send the token bitmasks of the rows with a grammar to the device, those the fill ahead

@@ -589,13 +589,14 @@ class LLMEngine:
             if first_tokens is not None and events:
                 first_tokens(list(events.values()))
                 events = {}
-        if self.scheduler.running:  # may preempt the newest: they wait to be prefilled again
-            ending = [s.request_id for s in self._in_flight.seqs if self._drew_last(s)] if self._in_flight else []
-            self.scheduler.reserve_decode(ending)  # no position for a row that is not decoded again
+        # rows whose drawn token is their last by length: not decoded again, so no position for them
+        ending = {s.request_id for s in self._in_flight.seqs if self._drew_last(s)} if self._in_flight else set()
+        if self.scheduler.running:
+            self.scheduler.reserve_decode(ending)  # may preempt the newest: they wait to be prefilled again
         batch = [s for s in self.scheduler.running.values() if not s.in_prefill]
         if batch:
             start = time.perf_counter()
-            self._decode(batch, events, self.scheduler.take_edits())
+            self._decode(batch, events, self.scheduler.take_edits(), ending)
             self.stats.record_busy("decode", time.perf_counter() - start)
         elif self._in_flight is not None:
             self._take(events)
@@ -628,7 +629,7 @@ class LLMEngine:
             self.sampler.admit(seqs)
             self._accept(seqs, *self.sampler.sample(logits[rows] if len(rows) < len(chunks) else logits, seqs), events)
 
-    def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent], pages: list[int]) -> None:
+    def _decode(self, seqs: list[Sequence], events: dict[str, TokenEvent], pages: list[int], ending: set[str]) -> None:
         """One token for every running sequence: the step launched and drawn; its tokens are read
         now, or with async scheduling by the next step, once that is launched (then this step's
         events are the step before's tokens)."""
@@ -639,7 +640,7 @@ class LLMEngine:
             seqs = [s for s in seqs if s.finish_reason is None]
         drawn = None
         if flight is not None:
-            seqs, drawn = self._continue(flight, seqs)
+            seqs, drawn = self._continue(flight, seqs, ending)
         if seqs:
             logits, timer = self._forward(seqs, pages, drawn)
         if flight is not None:
@@ -654,20 +655,22 @@ class LLMEngine:
         if not self.async_scheduling:
             self._take(events)
 
-    def _continue(self, flight: InFlight, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
+    def _continue(
+        self, flight: InFlight, seqs: list[Sequence], ending: set[str]
+    ) -> tuple[list[Sequence], torch.Tensor | None]:
         """The step's rows with the in-flight step's rows first, in its order, and their drawn
-        tokens (still on the device) as those rows' inputs. A row whose drawn token is its last by
-        length is left out: it ends when the token is read."""
-        index = {id(s): i for i, s in enumerate(flight.seqs)}
-        continued = sorted((index[id(s)], s) for s in seqs if id(s) in index and not self._drew_last(s))
-        rest = [s for s in seqs if id(s) not in index]
-        rows = [i for i, _ in continued]
+        tokens (still on the device) as those rows' inputs. The `ending` rows are left out: they
+        end when their token is read."""
+        in_batch = {id(s) for s in seqs}
+        rows = [i for i, s in enumerate(flight.seqs) if id(s) in in_batch and s.request_id not in ending]
+        in_flight = {id(s) for s in flight.seqs}
+        rest = [s for s in seqs if id(s) not in in_flight]
         if not rows:
             return rest, None
         tokens = flight.draw.tokens
         in_order = rows[-1] == len(rows) - 1  # the in-flight rows continue in place: no gather
         drawn = tokens[: len(rows)] if in_order else tokens[on_device(rows, torch.int64, tokens.device)]
-        return [s for _, s in continued] + rest, drawn
+        return [flight.seqs[i] for i in rows] + rest, drawn
 
     def _drew_last(self, seq: Sequence) -> bool:
         """Whether the token in flight for seq is its last by max_tokens or max_model_len."""

@@ -31,7 +31,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -293,11 +293,13 @@ class Scheduler:
             seq.page_hashes = page_hashes(seq.token_ids, self.blocks.page_size, seq.cache_salt, seq.page_hashes)
         return seq.page_hashes
 
-    def reserve_decode(self, idle: Collection[str] = ()) -> list[Sequence]:
+    def reserve_decode(self, idle: set[str] = frozenset()) -> list[Sequence]:
         """Room for one more position of every running sequence but those `idle` this step (the
         engine's, whose last token is drawn already). Returns the sequences preempted for it
         (newest first): they are back at the front of the queue, oldest first."""
-        preempted, grown = self.blocks.reserve_step(list(self.running), self.prefilling.keys() | set(idle))
+        preempted, grown = self.blocks.reserve_step(
+            list(self.running), self.prefilling.keys() | idle if idle else self.prefilling.keys()
+        )
         for request_id in grown:
             pages = self.blocks.block_table(request_id)
             self._edit(self.running[request_id].slot, len(pages) - 1, pages[-1:])
