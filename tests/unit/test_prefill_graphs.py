@@ -144,9 +144,8 @@ def test_short_prefills_replay_the_decode_step_with_a_row_per_token(tiny, monkey
         SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    # the schedule counted below is the synchronous engine's: with async scheduling a row whose last
-    # token is in flight still counts against the next step's budget, which splits the 37 tokens
-    config = dict(max_num_seqs=8, max_num_batched_tokens=40, decode_buckets=(1, 2, 4, 8), async_scheduling=False)
+    # with async scheduling too: a row whose last token is in flight leaves the budget to the prompts
+    config = dict(max_num_seqs=8, max_num_batched_tokens=40, decode_buckets=(1, 2, 4, 8))
     plain = prefill_graph_engine(tiny, monkeypatch, capture_prefill=False, **config)
     expected = run_staggered(plain, prompts, params, 1, denied=frozenset({4}))
     assert not any(bucket.startswith("decode_bs") for _, bucket, _ in prefill_parts(plain))

@@ -325,6 +325,20 @@ def test_admission_leaves_the_pages_running_sequences_need_this_step():
     assert s.admit() == [] and list(s.waiting) == [b]
 
 
+def test_idle_sequences_take_neither_budget_nor_a_page():
+    """A running sequence idle this step (its last token is in flight) leaves its token of the
+    budget and the page its next position would need to the waiting prompts."""
+    s = Scheduler(3, 12, 8, 4, blocks=BlockManager(1 + 3, 4))
+    a = seq("a", 3)
+    s.add(a)
+    s.admit()
+    s.reserve_decode()  # a: 4 tokens, one full page; its next position would need a second page
+    a.output_ids.append(9)
+    s.add(b := seq("b", 4))  # needs 2 pages (4 tokens + 1): only with a's next page left free
+    assert s.admit() == []
+    assert s.admit(idle={"a"}) == [b] and chunks(s) == [("b", 0, 4)]  # the whole budget of 4
+
+
 def test_edits_describe_every_page_handed_out():
     s = paged_scheduler(num_pages=1 + 8)
     a, b = seq("a", 5), seq("b", 3)

@@ -578,7 +578,9 @@ class LLMEngine:
         events: dict[str, TokenEvent] = {}
         if self._compiling:
             self._take_compiled(events)
-        admitted = self.scheduler.admit(self._admissible if self.adapter_slots else lambda seq: True)
+        # rows whose drawn token is their last by length: not decoded again, so neither budget nor a position for them
+        ending = self._ending()
+        admitted = self.scheduler.admit(self._admissible if self.adapter_slots else lambda seq: True, idle=ending)
         for refused in self._refused:
             events[refused.request_id] = refused
         self._refused.clear()
@@ -589,8 +591,6 @@ class LLMEngine:
             if first_tokens is not None and events:
                 first_tokens(list(events.values()))
                 events = {}
-        # rows whose drawn token is their last by length: not decoded again, so no position for them
-        ending = {s.request_id for s in self._in_flight.seqs if self._drew_last(s)} if self._in_flight else set()
         if self.scheduler.running:
             self.scheduler.reserve_decode(ending)  # may preempt the newest: they wait to be prefilled again
         batch = [s for s in self.scheduler.running.values() if not s.in_prefill]
@@ -672,9 +672,16 @@ class LLMEngine:
         drawn = tokens[: len(rows)] if in_order else tokens[on_device(rows, torch.int64, tokens.device)]
         return [flight.seqs[i] for i in rows] + rest, drawn
 
-    def _drew_last(self, seq: Sequence) -> bool:
-        """Whether the token in flight for seq is its last by max_tokens or max_model_len."""
-        return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.length + 1 >= self.max_model_len
+    def _ending(self) -> set[str]:
+        """The running sequences whose token in flight is their last by max_tokens or max_model_len."""
+        if self._in_flight is None:
+            return set()
+        return {
+            s.request_id
+            for s in self._in_flight.seqs
+            if s.finish_reason is None
+            and (len(s.output_ids) + 1 >= s.params.max_tokens or s.length + 1 >= self.max_model_len)
+        }
 
     def _forward(
         self, seqs: list[Sequence], pages: list[int], drawn: torch.Tensor | None

@@ -31,7 +31,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -209,7 +209,12 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_waiting={self.max_waiting})")
         self.waiting.append(seq)
 
-    def admit(self, ready: Callable[[Sequence], bool] = lambda seq: True, now: float | None = None) -> list[Sequence]:
+    def admit(
+        self,
+        ready: Callable[[Sequence], bool] = lambda seq: True,
+        now: float | None = None,
+        idle: Set[str] = frozenset(),
+    ) -> list[Sequence]:
         """Plan this step's prefill (`chunks`, each from its prefill_start to its prefill_end) within
         the token budget: the chunks of sequences partly prefilled go on first, then waiting
         sequences move into free slots, first come first served, while the pool has pages for them
@@ -220,7 +225,8 @@ class Scheduler:
         smaller) goes in every step, however many decode. `ready(seq)` may hold the queue's head
         back (its LoRA adapter has no slot yet) or end it (`finish`) before it runs. While others
         decode, waiting prompts may be held back to be prefilled together (`max_prefill_delay_s`;
-        `now`: the monotonic time, default the clock's). Returns the
+        `now`: the monotonic time, default the clock's). The `idle` running sequences (the engine's,
+        whose last token is drawn already) decode no more: they take neither budget nor a page. Returns the
         sequences admitted now. The caller prefills every chunk in this step (the full pages they
         write are cached from now on); a sequence whose last chunk it is samples its first token
         and decodes in this step too."""
@@ -230,7 +236,7 @@ class Scheduler:
         admitted: list[Sequence] = []
         if not self.prefilling and (not self.waiting or not self.free_slots):
             return admitted  # the common step: nothing to prefill, so no pass over the running batch
-        decoding = len(self.running) - len(self.prefilling)
+        decoding = len(self.running) - len(self.prefilling) - len(idle)
         budget = max(self.max_num_batched_tokens - decoding, min(self.blocks.page_size, self.max_num_batched_tokens))
         for seq in list(self.prefilling.values()):
             if budget <= 0:
@@ -238,7 +244,11 @@ class Scheduler:
             budget -= self._plan_chunk(seq, budget)
         if self.waiting and self.max_prefill_delay_s and not self._wave_due(decoding, budget, now):
             return admitted
-        reserve = sum(self.blocks.needs_page(s.request_id) for s in self.running.values() if not s.in_prefill)
+        reserve = sum(
+            self.blocks.needs_page(s.request_id)
+            for s in self.running.values()
+            if not s.in_prefill and s.request_id not in idle
+        )
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
             hits = self.blocks.cached_prefix(seq.length, self._hashes(seq))
@@ -293,7 +303,7 @@ class Scheduler:
             seq.page_hashes = page_hashes(seq.token_ids, self.blocks.page_size, seq.cache_salt, seq.page_hashes)
         return seq.page_hashes
 
-    def reserve_decode(self, idle: set[str] = frozenset()) -> list[Sequence]:
+    def reserve_decode(self, idle: Set[str] = frozenset()) -> list[Sequence]:
         """Room for one more position of every running sequence but those `idle` this step (the
         engine's, whose last token is drawn already). Returns the sequences preempted for it
         (newest first): they are back at the front of the queue, oldest first."""
