@@ -103,13 +103,13 @@ def watch(engine: LLMEngine, trace: Trace) -> None:
             trace.pages.setdefault(seq.request_id, set()).update(table)
             trace.slots.setdefault(seq.request_id, set()).add(seq.slot)
 
-    def admit_spy(*args):
-        admitted = admit(*args)
+    def admit_spy(*args, **kwargs):
+        admitted = admit(*args, **kwargs)
         note(admitted)
         return admitted
 
-    def reserve_spy():
-        preempted = reserve()
+    def reserve_spy(*args):
+        preempted = reserve(*args)
         trace.preempted += [s.request_id for s in preempted]
         assert all(s.slot == -1 for s in preempted)
         note(sched.running.values())
