@@ -13,7 +13,8 @@ from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from workers.front.async_engine import apply_contained
 from workers.protocol import Deny
-from workers.serving.batch_sampler import Draw
+from workers.serving import grammar as grammar_module
+from workers.serving.batch_sampler import AHEAD_MIN_ROWS, Draw
 from workers.serving.json_schema import canonical_schema
 from workers.serving.sampling import SamplingParams
 
@@ -227,3 +228,45 @@ def test_a_row_denied_graphs_mid_stream_takes_its_tokens_first(tiny):
         denied = [p for p in engine.stats.snapshot()["decode_step_parts"] if p["fallback_reason"] == "tenant_disabled"]
         assert denied and denied[0]["rows"] == 10 - 4  # its rows after the 4 tokens drawn before the toggle
     assert outputs[True] == outputs[False]
+
+
+class Clock:
+    """A perf_counter that moves `tick` seconds a call: the fill thread's two calls time a fill at `tick`."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.mark.parametrize("fill_s", [0.0, 60.0])
+def test_masks_slower_than_the_step_are_filled_while_it_launches(tiny, monkeypatch, fill_s):
+    """A batch whose masks are filled ahead and took longer to fill than the device's step reads its
+    tokens first and launches while they fill (async, the launch would add to the fill); one whose
+    masks fill faster launches first. Either way the tokens are the synchronous engine's."""
+    rows = AHEAD_MIN_ROWS + 2
+    params = [SamplingParams(temperature=0.7, seed=i, json_schema=SCHEMA, max_tokens=30) for i in range(rows)]
+    prompts = [[BOS, 5, i] for i in range(rows)]
+    expected = new_engine(tiny, max_num_seqs=rows, async_scheduling=False)
+    expected_seqs = [expected.add_request(p, q) for p, q in zip(prompts, params)]
+    while expected.has_work():
+        expected.step()
+    monkeypatch.setattr(grammar_module, "time", Clock(fill_s))
+    engine = new_engine(tiny, max_num_seqs=rows)
+    seqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    launched_in_flight = []  # per decode launch: whether a step's tokens were still unread
+    decode = engine.runner.decode
+
+    def launched(batch, drawn=None):
+        launched_in_flight.append(engine._in_flight is not None)
+        return decode(batch, drawn)
+
+    monkeypatch.setattr(engine.runner, "decode", launched)
+    while engine.has_work():
+        engine.step()
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == [(s.output_ids, s.finish_reason) for s in expected_seqs]
+    assert len(launched_in_flight) > 5
+    # the first launch has nothing in flight; the second follows the first fill ahead, timed at fill_s
+    assert launched_in_flight[1:4] == [fill_s == 0.0] * 3

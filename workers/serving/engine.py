@@ -37,7 +37,7 @@ from workers.modeling.default_model import model_dir as resolve_model_dir
 from workers.modeling.lora import AdapterError, adapter_version, load_adapter
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
-from workers.serving.batch_sampler import BatchSampler, Draw
+from workers.serving.batch_sampler import AHEAD_MIN_ROWS, BatchSampler, Draw
 from workers.serving.compile_key import key_inputs
 from workers.serving.engine_config import EngineConfig
 from workers.serving.grammar import GrammarCompiler
@@ -239,6 +239,7 @@ class LLMEngine:
         # followers take each step's tokens from the channel, which has them only once read
         self.async_scheduling = config.async_scheduling and channel is None
         self._in_flight: InFlight | None = None
+        self._step_device_s = 0.0  # the device time of the last decode step read
         try:
             self.runners.prepare(on_state=self._set_state)
             for runner in self.runners.all:
@@ -634,8 +635,9 @@ class LLMEngine:
         now, or with async scheduling by the next step, once that is launched (then this step's
         events are the step before's tokens)."""
         flight = self._in_flight
-        if flight is not None and any(s.graph_denial is not None for s in seqs):
-            self._take(events)  # a denied row's eager call takes its token from the host
+        if flight is not None and (any(s.graph_denial is not None for s in seqs) or self._fill_outlasts_step(flight)):
+            # a denied row's eager call takes its token from the host
+            self._take(events)
             flight = None
             seqs = [s for s in seqs if s.finish_reason is None]
         drawn = None
@@ -654,6 +656,15 @@ class LLMEngine:
         self._in_flight = InFlight(seqs, self.sampler.draw(logits, seqs), timer)
         if not self.async_scheduling:
             self._take(events)
+
+    def _fill_outlasts_step(self, flight: InFlight) -> bool:
+        """Whether the masks the in-flight rows draw under next are filled ahead, and the last fill
+        ahead took longer than the device's step. Then this step reads first and launches while the
+        masks fill (the synchronous order): launched first, the launch adds to the fill, which the
+        device's step cannot hide."""
+        if self.sampler.fill_ahead_s <= self._step_device_s:
+            return False
+        return sum(s.grammar is not None for s in flight.seqs) >= AHEAD_MIN_ROWS
 
     def _continue(
         self, flight: InFlight, seqs: list[Sequence], ending: set[str]
@@ -717,8 +728,10 @@ class LLMEngine:
         """Read the in-flight step's tokens and take them."""
         flight, self._in_flight = self._in_flight, None
         self._accept(flight.seqs, *flight.draw.read(), events)
-        for cohort, rows, seconds in flight.timer.results():  # the draw read: every call has ended
+        calls = flight.timer.results()  # the draw read: every call has ended
+        for cohort, rows, seconds in calls:
             self.stats.record_cohort_call(cohort, rows, seconds)
+        self._step_device_s = sum(seconds for _, _, seconds in calls)
 
     def _decode_rows(self, seqs: list[Sequence], pages: list[int], drawn: torch.Tensor | None = None) -> torch.Tensor:
         batch = DecodeInputs.of(seqs, pages, 0 if drawn is None else len(drawn))

@@ -35,6 +35,7 @@ import concurrent.futures
 import os
 import queue
 import threading
+import time
 import weakref
 from collections import OrderedDict
 
@@ -231,7 +232,9 @@ class MaskFiller:
         self._jobs: queue.SimpleQueue | None = None  # to the fill thread, started by the first `start`
         self._done = threading.Lock()  # held while a fill runs in the thread
         self._outcome: list[BaseException] = []  # what it raised
+        self._seconds: list[float] = [0.0]  # how long it took, written by the fill thread
         self._pending = False
+        self.last_fill_s = 0.0  # how long the fill ahead waited for last took
 
     @property
     def executor(self) -> llguidance.LLExecutor:
@@ -263,7 +266,7 @@ class MaskFiller:
             weakref.finalize(self, self._jobs.put, None)  # the thread ends with its filler
         self._done.acquire()
         self._pending = True
-        self._jobs.put((executor, pairs, bitmask, self._done, self._outcome))
+        self._jobs.put((executor, pairs, bitmask, self._done, self._outcome, self._seconds))
 
     def wait(self) -> None:
         """Until the fill started last has ended; raises what it raised."""
@@ -272,6 +275,7 @@ class MaskFiller:
         self._done.acquire()
         self._done.release()
         self._pending = False
+        self.last_fill_s = self._seconds[0]
         if self._outcome:
             raise self._outcome.pop()
 
@@ -284,10 +288,19 @@ def _fill_thread(jobs: queue.SimpleQueue) -> None:
         del job  # the matchers and the buffer: not held past their fill
 
 
-def _run_fill(executor: llguidance.LLExecutor, pairs: list, bitmask: torch.Tensor, done: threading.Lock, outcome: list):
+def _run_fill(
+    executor: llguidance.LLExecutor,
+    pairs: list,
+    bitmask: torch.Tensor,
+    done: threading.Lock,
+    outcome: list,
+    seconds: list[float],
+) -> None:
+    start = time.perf_counter()
     try:
         executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
     except BaseException as e:  # raised where the step waits for it
         outcome.append(e)
     finally:
+        seconds[0] = time.perf_counter() - start
         done.release()
