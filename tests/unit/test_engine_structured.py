@@ -177,6 +177,26 @@ def test_a_schema_the_engine_cannot_compile_ends_its_request_with_that_error(tin
     assert engine.stats.snapshot()["finished_requests"] == {"error": 1}
 
 
+def test_a_schema_whose_document_cannot_go_on_ends_with_an_error_not_a_stop(tiny):
+    """A `$ref` loop met after the first tokens compiles, and its grammar fails where the loop is
+    reached, allowing only end-of-sequence: the request ends with the grammar's error, never with
+    an unfinished document marked `stop`."""
+    loop = canonical_schema(
+        {
+            "$defs": {"a": {"$ref": "#/$defs/a"}},
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/a"}},
+            "required": ["a"],
+        }
+    )
+    (seq,), events = run(engine_for(tiny), [(prompt(1), constrained(json_schema=loop))])
+    (event,) = [e for e in events if e.finish_reason is not None]
+    assert seq.finish_reason == event.finish_reason == "error"
+    assert isinstance(event.error, InvalidSchema) and "grammar failed after" in str(event.error)
+    assert text(tiny, seq.output_ids) == '{"a": '
+    assert [t for e in events for t in e.token_ids] == seq.output_ids  # and nothing after them
+
+
 def test_an_id_waiting_for_its_grammar_is_in_use(tiny):
     """A plain request under the id of one whose schema still compiles was queued beside it: two
     sequences under one id."""

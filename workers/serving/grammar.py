@@ -75,9 +75,12 @@ class Grammar:
         self.lineage = lineage  # the compiled matcher it was copied from (`CompiledSchema`)
 
     def accept(self, token: int) -> bool:
-        """Advance by a drawn token; False if the grammar does not allow it (never for a masked draw)."""
+        """Advance by a drawn token; False if the grammar does not allow it (never for a masked draw)
+        or failed before it: a schema whose document cannot go on (a `$ref` loop met mid-way) fails
+        when its next mask is computed, and then allows only end-of-sequence, which would end an
+        unfinished document as if it were complete."""
         self.filled = -1
-        return self.matcher.consume_token(token)
+        return self.matcher.consume_token(token) and not self.matcher.is_error()
 
     def replay(self, tokens: list[int]) -> None:
         """Advance by the tokens a continuation's client already has; InvalidRequest if they do not fit."""
