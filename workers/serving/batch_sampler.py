@@ -192,7 +192,6 @@ class BatchSampler:
         self.masks = MaskFiller()
         self.bitmasks: BitmaskBuffers | None = None  # made by the first batch with a grammar
         self._ahead: list[tuple[Grammar, int]] | None = None  # the (grammar, slot)s a fill ahead fills
-        self.fill_ahead_s = 0.0  # how long the last fill ahead took
 
     @staticmethod
     def history_bytes(num_slots: int, vocab_size: int) -> int:
@@ -280,7 +279,6 @@ class BatchSampler:
         if self._ahead is not None:
             self.bitmasks.filled(self._ahead)
             self._ahead = None
-            self.fill_ahead_s = self.masks.last_fill_s
 
     def _buffers(self, words: int) -> BitmaskBuffers:
         """The bitmask buffers (made by the first batch with a grammar), no fill running into them."""

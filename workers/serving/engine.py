@@ -662,7 +662,7 @@ class LLMEngine:
         ahead took longer than the device's step. Then this step reads first and launches while the
         masks fill (the synchronous order): launched first, the launch adds to the fill, which the
         device's step cannot hide."""
-        if self.sampler.fill_ahead_s <= self._step_device_s:
+        if self.sampler.masks.last_fill_s <= self._step_device_s:
             return False
         return sum(s.grammar is not None for s in flight.seqs) >= AHEAD_MIN_ROWS
 

@@ -237,7 +237,11 @@ class MaskFiller:
         self._outcome: list[BaseException] = []  # what it raised
         self._seconds: list[float] = [0.0]  # how long it took, written by the fill thread
         self._pending = False
-        self.last_fill_s = 0.0  # how long the fill ahead waited for last took
+
+    @property
+    def last_fill_s(self) -> float:
+        """How long the last fill ahead that ended took."""
+        return self._seconds[0]
 
     @property
     def executor(self) -> llguidance.LLExecutor:
@@ -278,7 +282,6 @@ class MaskFiller:
         self._done.acquire()
         self._done.release()
         self._pending = False
-        self.last_fill_s = self._seconds[0]
         if self._outcome:
             raise self._outcome.pop()
 

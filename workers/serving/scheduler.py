@@ -308,7 +308,7 @@ class Scheduler:
         engine's, whose last token is drawn already). Returns the sequences preempted for it
         (newest first): they are back at the front of the queue, oldest first."""
         preempted, grown = self.blocks.reserve_step(
-            list(self.running), self.prefilling.keys() | idle if idle else self.prefilling.keys()
+            list(self.running), (self.prefilling.keys() | idle) if idle else self.prefilling.keys()
         )
         for request_id in grown:
             pages = self.blocks.block_table(request_id)
