@@ -5,6 +5,7 @@ rows what the CPU draws for them (tiny default model, fp32). Below the engine: t
 on CUDA what the torch ops ban on CPU, and the mask buffers, reused step after step with their copy
 on a stream of its own, give each step its own masks."""
 
+import concurrent.futures
 import json
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 from policies.graph_policy import GraphPolicy
 from tests.unit.test_token_mask import SHAPES, random_case
+from workers.front.async_engine import apply_contained
+from workers.protocol import Call
 from workers.serving import token_mask
 from workers.serving.batch_sampler import BitmaskBuffers
 from workers.serving.engine import LLMEngine
@@ -64,6 +67,43 @@ def test_a_mixed_batch_replays_its_graph_and_leaves_free_rows_unchanged(tmp_path
     assert mixed == on_cpu
     modes = {p["execution_mode"] for p in stats["decode_step_parts"]}
     assert modes == {"cuda_graph"}, stats["decode_step_parts"]
+
+
+def test_every_row_constrained_is_drawn_after_its_masks_fill_and_draws_what_the_cpu_draws(tmp_path, monkeypatch):
+    """Twelve rows, each under a schema: their masks are filled ahead, and each replayed step is
+    left undrawn until the next one (async scheduling). Between two steps a call replays every
+    captured graph, which writes the logits such a step holds: the step is drawn before it runs,
+    and the tokens are those the CPU draws."""
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    batch = [
+        (
+            torch.randint(0, 256, (4 + i,), generator=g).tolist(),
+            SamplingParams(max_tokens=30, json_schema=canonical_schema(SCHEMA), temperature=0.8, seed=i),
+        )
+        for i in range(12)
+    ]
+    outputs = {}
+    for device in ("cuda", "cpu"):
+        config = EngineConfig(
+            max_num_seqs=12, max_model_len=128, device=device, graph_policy=GraphPolicy(compile=False)
+        )
+        engine, _ = LLMEngine.from_config(config)
+        seqs = [engine.add_request(p, params) for p, params in batch]
+        undrawn, replayed = 0, None
+        while engine.has_work():
+            engine.step()
+            if engine._in_flight is not None and engine._in_flight.draw is None:
+                undrawn += 1
+                if device == "cuda" and replayed is None:
+                    replayed = concurrent.futures.Future()
+                    apply_contained(engine, Call(lambda e: [r.check_buckets() for r in e.runners.all], replayed))
+        outputs[device] = [(s.output_ids, s.finish_reason) for s in seqs]
+        if device == "cuda":
+            assert undrawn > 5 and replayed.result() == [{}] * len(engine.runners.all)
+            modes = {p["execution_mode"] for p in engine.stats.snapshot()["decode_step_parts"]}
+            assert modes == {"cuda_graph"}
+    assert outputs["cuda"] == outputs["cpu"]
 
 
 @pytest.mark.parametrize(("width", "words"), [*SHAPES, (128256, 1536), (49152, 4008)])

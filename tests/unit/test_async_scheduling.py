@@ -5,14 +5,16 @@ nothing to a request that ended while its token was in flight."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
+from collections import Counter
 
 import pytest
 
 from policies.dispatch import FallbackReason
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
 from workers.front.async_engine import apply_contained
-from workers.protocol import Deny
+from workers.protocol import Call, Deny
 from workers.serving import grammar as grammar_module
 from workers.serving.batch_sampler import AHEAD_MIN_ROWS, Draw
 from workers.serving.json_schema import canonical_schema
@@ -270,3 +272,102 @@ def test_masks_slower_than_the_step_are_filled_while_it_launches(tiny, monkeypat
     assert len(launched_in_flight) > 5
     # the first launch has nothing in flight; the second follows the first fill ahead, timed at fill_s
     assert launched_in_flight[1:4] == [fill_s == 0.0] * 3
+
+
+LIST_SCHEMA = canonical_schema({"type": "array", "items": {"type": "integer"}, "minItems": 40})
+
+
+def constrained_batch(rows: int) -> list[tuple[list[int], SamplingParams]]:
+    """Rows enough for their masks to be filled ahead, each under a schema and penalized (the draw
+    reads each row's slot: its bitmask row and its token history). The first and the last row (in
+    the last slot) are alike, greedy and strongly penalized: the last's tokens change if a token
+    drawn for the first is counted in its history."""
+    twin = SamplingParams(temperature=0.0, frequency_penalty=2.0, json_schema=LIST_SCHEMA, max_tokens=30)
+    return [
+        (
+            [BOS, 5, 0 if i in (0, rows - 1) else i],
+            twin
+            if i in (0, rows - 1)
+            else SamplingParams(temperature=0.7, seed=i, frequency_penalty=0.5, json_schema=SCHEMA, max_tokens=30),
+        )
+        for i in range(rows)
+    ]
+
+
+def until_a_step_waits_for_its_draw(engine, seqs: list) -> None:
+    """Step until a step of all of `seqs` (each schema compiled, in its own time) is left undrawn."""
+    for _ in range(50):
+        engine.step()
+        flight = engine._in_flight
+        if flight is not None and flight.draw is None and {id(s) for s in seqs} <= {id(s) for s in flight.seqs}:
+            return
+    raise AssertionError("no step of every row was left undrawn")
+
+
+def test_a_step_whose_masks_are_filling_is_drawn_by_the_next_one(tiny, monkeypatch):
+    """With its rows' masks filled ahead, a decode step is left undrawn when it returns: what the
+    host does between the steps (and the next step's admissions) overlaps the fill, and the next
+    step draws it before its own device work. The tokens are the synchronous engine's."""
+    batch = constrained_batch(AHEAD_MIN_ROWS + 2)
+    expected = new_engine(tiny, max_num_seqs=len(batch), async_scheduling=False)
+    expected_seqs = [expected.add_request(p, q) for p, q in batch]
+    while expected.has_work():
+        expected.step()
+    engine = new_engine(tiny, max_num_seqs=len(batch))
+    seqs = [engine.add_request(p, q) for p, q in batch]
+    log = []
+    draw, decode = engine.sampler.draw, engine.runner.decode
+    monkeypatch.setattr(engine.sampler, "draw", lambda logits, rows: log.append("draw") or draw(logits, rows))
+    monkeypatch.setattr(engine.runner, "decode", lambda b, drawn=None: log.append("decode") or decode(b, drawn))
+    undrawn = 0
+    while engine.has_work():
+        log.append("step")
+        engine.step()
+        undrawn += engine._in_flight is not None and engine._in_flight.draw is None
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == [(s.output_ids, s.finish_reason) for s in expected_seqs]
+    assert undrawn > 5
+    steps = "".join("|" if e == "step" else e[0] for e in log).split("|")
+    assert "dd" in steps  # a step that draws the one before, then launches its own: decode, (read,) draw deferred
+
+
+def test_a_row_ended_while_its_step_waits_for_its_draw_leaves_the_others_unchanged(tiny):
+    """An abort between steps, of a row of a step left undrawn: the step is drawn first, with the
+    row's slot (which the abort frees), so the rows beside it, in the other slots, draw what they
+    would have drawn and their token histories hold their own tokens only; the ended row gets
+    nothing more."""
+    batch = constrained_batch(AHEAD_MIN_ROWS + 2)
+    expected = new_engine(tiny, max_num_seqs=len(batch), async_scheduling=False)
+    expected_seqs = [expected.add_request(p, q) for p, q in batch]
+    while expected.has_work():
+        expected.step()
+    engine = new_engine(tiny, max_num_seqs=len(batch))
+    seqs = [engine.add_request(p, q) for p, q in batch]
+    until_a_step_waits_for_its_draw(engine, seqs)
+    ended, last = seqs[0], seqs[-1]
+    last_slot = last.slot
+    assert ended in engine._in_flight.seqs and engine.abort(ended.request_id)
+    held = list(ended.output_ids)
+    while engine.has_work():
+        engine.step()
+    assert ended.output_ids == held and ended.finish_reason == "abort"
+    # the last slot's token history (what its penalties read) holds the last row's tokens, nothing else
+    counts = engine.sampler.counts[last_slot]
+    assert {t: int(counts[t]) for t in counts.nonzero().flatten().tolist()} == Counter(last.output_ids)
+    got = [(s.output_ids, s.finish_reason) for s in seqs[1:]]
+    assert got == [(s.output_ids, s.finish_reason) for s in expected_seqs[1:]]
+
+
+def test_a_command_between_steps_finds_the_step_in_flight_drawn(tiny):
+    """A call run by the step loop between two steps may run the model (a gate replays every
+    graph, which writes the logits a step left undrawn holds) or change the rows' slots: the step
+    is drawn before it runs (outside the step, whose logits are inference tensors: unpenalized,
+    the masks are applied to them in place)."""
+    engine = new_engine(tiny, max_num_seqs=AHEAD_MIN_ROWS + 2)
+    params = [
+        SamplingParams(temperature=0.7, seed=i, json_schema=SCHEMA, max_tokens=30) for i in range(AHEAD_MIN_ROWS + 2)
+    ]
+    seqs = [engine.add_request([BOS, 5, i], p) for i, p in enumerate(params)]
+    until_a_step_waits_for_its_draw(engine, seqs)
+    done = concurrent.futures.Future()
+    apply_contained(engine, Call(lambda e: e._in_flight.draw is not None, done))
+    assert done.result() is True

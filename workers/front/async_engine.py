@@ -62,6 +62,7 @@ def apply_command(engine: LLMEngine, command: Command) -> list[TokenEvent]:
             engine.add_sequence(seq)
         case Call(fn, done):
             try:
+                engine.launch_draw()  # fn may run the model or change the rows of the step in flight
                 done.set_result(fn(engine))
             except Exception as e:
                 done.set_exception(e)

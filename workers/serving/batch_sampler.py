@@ -273,6 +273,11 @@ class BatchSampler:
         self.masks.start([(g.matcher, slot) for g, slot in ahead], buffers.masks)
         self._ahead = ahead
 
+    @property
+    def filling(self) -> bool:
+        """Whether a fill ahead runs (or has ended unwaited for)."""
+        return self._ahead is not None
+
     def settle(self) -> None:
         """Wait for the fill ahead, if one runs (then its grammars may be touched again)."""
         self.masks.wait()

@@ -69,12 +69,15 @@ COMPILE_WAIT_S = 0.01  # with nothing but grammars compiling, a step waits this 
 
 @dataclass
 class InFlight:
-    """A decode step launched and drawn whose tokens the host has not read: its rows' sequences,
-    the draw, and the timings of its model calls (readable once the draw is)."""
+    """A decode step launched whose tokens the host has not read: its rows' sequences, the timings
+    of its model calls (readable once the draw is) and the draw; or, while its rows' masks are
+    filled ahead, its logits, drawn by `LLMEngine.launch_draw` before the engine's next device work
+    (the host's work between the steps then overlaps the fill instead of following it)."""
 
     seqs: list[Sequence]
-    draw: Draw
     timer: CallTimer
+    draw: Draw | None = None
+    logits: torch.Tensor | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -453,6 +456,7 @@ class LLMEngine:
     def _load_adapter(self, slot: int, key: AdapterKey) -> None:
         """Copy an adapter into a slot (every rank), then verify it: a probe step with it must
         replay what eager computes. Nothing is captured again: the graphs read the slots."""
+        self.launch_draw()  # its probe step writes the logits the step in flight may hold undrawn
         name, path = key
         lora = self.model.lora
         version = adapter_version(path)  # before the read: a change during it loads again next time
@@ -528,6 +532,7 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
+        self.launch_draw()  # the step in flight may hold its row
         self.scheduler.finish(seq, reason)
         self._release_adapter(seq)
         self.stats.record_finish(reason, None, None)
@@ -585,6 +590,8 @@ class LLMEngine:
         for refused in self._refused:
             events[refused.request_id] = refused
         self._refused.clear()
+        # before this step's device work (it may write the logits) and preemption (it frees slots the draw reads)
+        self.launch_draw()
         if self.scheduler.chunks:
             start = time.perf_counter()
             self._prefill(self.scheduler.chunks, admitted, events)
@@ -653,9 +660,22 @@ class LLMEngine:
         if len(live) < len(seqs):  # ended on the tokens just read: their rows are dropped
             seqs = [seqs[i] for i in live]
             logits = logits[on_device(live, torch.int64, logits.device)]
-        self._in_flight = InFlight(seqs, self.sampler.draw(logits, seqs), timer)
+        if self.async_scheduling and self.sampler.filling:  # drawn by the next step, once the masks are filled
+            self._in_flight = InFlight(seqs, timer, logits=logits)
+            return
+        self._in_flight = InFlight(seqs, timer, self.sampler.draw(logits, seqs))
         if not self.async_scheduling:
             self._take(events)
+
+    @torch.inference_mode()
+    def launch_draw(self) -> None:
+        """Launch the draw of the step in flight, if it waits for its masks (see `InFlight`): before
+        anything else reaches the device or changes its rows' slots."""
+        flight = self._in_flight
+        if flight is not None and flight.draw is None:
+            start = time.perf_counter()
+            flight.draw, flight.logits = self.sampler.draw(flight.logits, flight.seqs), None
+            self.stats.record_busy("decode", time.perf_counter() - start)
 
     def _fill_outlasts_step(self, flight: InFlight) -> bool:
         """Whether the masks the in-flight rows draw under next are filled ahead, and the last fill
