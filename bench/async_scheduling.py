@@ -80,19 +80,27 @@ def replay_ms(engine: LLMEngine, bs: int, steps: int) -> float | None:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
+def compiled_engine(
+    name: str, batch_sizes: list[int], max_model_len: int, device: torch.device, tokenizer
+) -> LLMEngine:
+    """An engine over random weights of shape `name`: compiled full graphs on CUDA (eager
+    elsewhere), a bucket per batch size, the tokenizer's vocabulary for its grammars."""
+    model = random_model(name, max_model_len, device)
+    buckets = tuple(sorted(set(batch_sizes)))
+    mode = "full" if device.type == "cuda" else "eager"
+    policy = GraphPolicy(mode=mode, compile=device.type == "cuda", decode_batch_buckets=buckets)
+    config = EngineConfig(
+        max_num_seqs=max(buckets), max_model_len=max_model_len, graph_policy=policy, device=str(device)
+    )
+    return LLMEngine(model, config, (tokenizer.eos_token_id,), tokenizer=tokenizer)
+
+
 def config_rows(
     args: argparse.Namespace, name: str, tokenizer, device: torch.device, rows: list[dict], report: Callable[[], None]
 ) -> None:
     """Measure one model shape; each row is added to `rows` and reported as soon as it is measured
     (a run cut short by a time limit keeps what it measured)."""
-    model = random_model(name, args.max_model_len, device)
-    buckets = tuple(sorted(set(args.batch_sizes)))
-    mode = "full" if device.type == "cuda" else "eager"
-    policy = GraphPolicy(mode=mode, compile=device.type == "cuda", decode_batch_buckets=buckets)
-    config = EngineConfig(
-        max_num_seqs=max(buckets), max_model_len=args.max_model_len, graph_policy=policy, device=str(device)
-    )
-    engine = LLMEngine(model, config, (tokenizer.eos_token_id,), tokenizer=tokenizer)
+    engine = compiled_engine(name, args.batch_sizes, args.max_model_len, device, tokenizer)
     schema = canonical_schema(BENCH_SCHEMA)
     for bs in args.batch_sizes:
         for kind, s in (("free", None), ("constrained", schema)):
@@ -118,7 +126,7 @@ def config_rows(
             rows.append(row)
             print(row, flush=True)
             report()
-    del engine, model
+    del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

@@ -28,11 +28,9 @@ import time
 
 import torch
 
+from bench.async_scheduling import compiled_engine
 from bench.structured_output import BENCH_SCHEMA, PROMPT_LEN, load_tokenizer, sync
-from policies.graph_policy import GraphPolicy
-from workers.modeling.synthetic import random_model
 from workers.serving.engine import LLMEngine, resolve_device
-from workers.serving.engine_config import EngineConfig
 from workers.serving.json_schema import canonical_schema
 from workers.serving.sampling import SamplingParams
 
@@ -86,15 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.tokenizer)
-    model = random_model(args.config, args.max_model_len, device)
-    buckets = tuple(sorted(set(args.batch_sizes)))
-    policy = GraphPolicy(
-        mode="full" if device.type == "cuda" else "eager", compile=device.type == "cuda", decode_batch_buckets=buckets
-    )
-    config = EngineConfig(
-        max_num_seqs=max(buckets), max_model_len=args.max_model_len, graph_policy=policy, device=str(device)
-    )
-    engine = LLMEngine(model, config, (tokenizer.eos_token_id,), tokenizer=tokenizer)
+    engine = compiled_engine(args.config, args.batch_sizes, args.max_model_len, device, tokenizer)
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     parts = [
         f"# Decode host profile: {label} ({len(os.sched_getaffinity(0))} host cores), torch {torch.__version__}, "

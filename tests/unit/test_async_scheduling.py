@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from policies.dispatch import FallbackReason
-from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine
+from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_sync
 from workers.front.async_engine import apply_contained
 from workers.protocol import Call, Deny
 from workers.serving import grammar as grammar_module
@@ -309,10 +309,7 @@ def test_a_step_whose_masks_are_filling_is_drawn_by_the_next_one(tiny, monkeypat
     host does between the steps (and the next step's admissions) overlaps the fill, and the next
     step draws it before its own device work. The tokens are the synchronous engine's."""
     batch = constrained_batch(AHEAD_MIN_ROWS + 2)
-    expected = new_engine(tiny, max_num_seqs=len(batch), async_scheduling=False)
-    expected_seqs = [expected.add_request(p, q) for p, q in batch]
-    while expected.has_work():
-        expected.step()
+    expected_seqs = run_sync(new_engine(tiny, max_num_seqs=len(batch), async_scheduling=False), batch)
     engine = new_engine(tiny, max_num_seqs=len(batch))
     seqs = [engine.add_request(p, q) for p, q in batch]
     log = []
@@ -336,10 +333,7 @@ def test_a_row_ended_while_its_step_waits_for_its_draw_leaves_the_others_unchang
     would have drawn and their token histories hold their own tokens only; the ended row gets
     nothing more."""
     batch = constrained_batch(AHEAD_MIN_ROWS + 2)
-    expected = new_engine(tiny, max_num_seqs=len(batch), async_scheduling=False)
-    expected_seqs = [expected.add_request(p, q) for p, q in batch]
-    while expected.has_work():
-        expected.step()
+    expected_seqs = run_sync(new_engine(tiny, max_num_seqs=len(batch), async_scheduling=False), batch)
     engine = new_engine(tiny, max_num_seqs=len(batch))
     seqs = [engine.add_request(p, q) for p, q in batch]
     until_a_step_waits_for_its_draw(engine, seqs)
