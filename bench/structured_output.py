@@ -30,8 +30,8 @@ the input copy and the replay (CUDA events, read after the step); `masks` the sa
 for the fill ahead; `apply` the mask kernel's launch; `draw` the sampling launches; `read` waiting
 for the drawn tokens and reading them; `after` the engine's per-row work on them (the grammars'
 accepts, the retire checks, and starting the next fill ahead); and the fills ahead themselves, in
-the filler's thread (median, mean and p90: a state inside a free string costs 10-50x one with a
-forced token).
+the filler's thread (median, mean and p90: a state inside the records' 12-character name costs
+10-100x any other, `bench/mask_cost.py`).
 
 Compile: a schema to its first mask, cold (each schema new to the cache), and a cached lookup; the
 llguidance tokenizer's one-time build apart.

@@ -13,8 +13,9 @@ model given free whitespace may never leave it. End-of-sequence tokens are allow
 grammar may end, and a sequence whose grammar is complete ends there (finish reason `stop`).
 
 A mask costs what llguidance's walk of the token trie costs, which depends on where the grammar is:
-a few microseconds where one token is forced, a fraction of a millisecond inside a string of
-bounded length, where most of the vocabulary is allowed. The masks of a batch with many
+a few microseconds almost everywhere (a free string is a precomputed slice of the vocabulary), a
+fraction of a millisecond inside a string near its `maxLength`, where each token's length is
+checked against what is left (`bench/mask_cost.py`). The masks of a batch with many
 constrained rows are filled ahead (`MaskFiller.start`): in a thread of the filler's own, as soon as
 the grammars have taken the step's tokens, while the engine ends that step and prepares and
 launches the next; llguidance holds no interpreter lock while it fills, and the sampler waits only
