@@ -433,6 +433,19 @@ class GraphController:
     def get_lora_adapters(self) -> dict[str, dict]:
         return dict(self.lora_adapters)
 
+    def lora_refusals(self) -> dict[str, dict]:
+        """The adapters a live replica refused (its last load of it, or its screening at start)
+        and none holds in a slot, name -> {"path", "reason"}: one configuration refuses them on
+        every replica, and one that loaded an adapter since (its files mended) serves it."""
+        refused: dict[str, dict] = {}
+        held: set[str] = set()
+        for _, status in sorted(self.replica_statuses().items()):
+            lora = status.get("lora") or {}
+            held.update(lora.get("adapters") or {})
+            for name, why in (lora.get("refused") or {}).items():
+                refused.setdefault(name, why)
+        return {name: why for name, why in refused.items() if name not in held}
+
     def add_lora_adapter(self, name: str, path: str, operator: Operator) -> dict:
         """Register an adapter (the ingress has had a replica load and verify it). Registering a
         name again with the same path changes nothing; with another path it replaces the entry

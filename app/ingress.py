@@ -331,6 +331,7 @@ class Ingress:
         )
         self.readiness = ReadinessView(lambda: self.controller.call(GraphController.replica_statuses))
         self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
+        self._refused: dict[str, dict] = {}  # adapters the replicas refuse (`lora_refusals`), as last read
         self._registered_at = -math.inf
         self._shadowed_logged = False  # a registered adapter the served model's name shadows was logged
         self._sequences = 0  # sequences of the requests this ingress has under way (n each)
@@ -345,14 +346,18 @@ class Ingress:
 
     async def _adapters(self) -> dict[str, str]:
         """Every adapter served, name -> path: the config's lora_modules and those registered
-        through the admin API (read from the controller at most every toggle_poll_s; the last
-        answer stands while it does not answer)."""
+        through the admin API (read from the controller at most every toggle_poll_s, with the
+        replicas' refusals; the last answer stands while it does not answer). A refused adapter
+        is still routed: the replica loads it again, and says why it cannot serve it."""
         if self.config.lora is None:
             return {}
         now = asyncio.get_running_loop().time()
         if now - self._registered_at > self.config.toggle_poll_s:
             try:
-                self._registered = await self.controller.call(GraphController.get_lora_adapters)
+                self._registered, self._refused = await asyncio.gather(
+                    self.controller.call(GraphController.get_lora_adapters),
+                    self.controller.call(GraphController.lora_refusals),
+                )
                 self._registered_at = now
             except ControllerUnavailable:
                 log.warning("the controller did not answer; serving the adapters it last listed")
@@ -397,8 +402,14 @@ class Ingress:
                 "parent": self.model_name,
             }
             for name, path in sorted((await self._adapters()).items())
+            if self._refusal(name, path) is None
         ]
         return [{**card, **await self._serving()}, *adapters]
+
+    def _refusal(self, name: str, path: str) -> str | None:
+        """Why the replicas refuse adapter `name` at `path` (as last read); None: they serve it."""
+        refused = self._refused.get(name)
+        return refused["reason"] if refused and refused["path"] == path else None
 
     async def _serving(self) -> dict:
         """What the READY replicas serve (it follows a model swap): checkpoint, revision(s) and
@@ -831,7 +842,8 @@ class Ingress:
 
     @api.get("/admin/lora-adapters")
     async def lora_adapters(self, request: Request) -> Response:
-        """Every adapter served (from the config or registered), and which replicas hold it in a slot."""
+        """Every adapter served (from the config or registered), which replicas hold it in a slot,
+        and why the replicas refuse one they cannot serve with these limits."""
         denied = self._admin_denied(request)
         if denied:
             return denied
@@ -853,6 +865,7 @@ class Ingress:
                     else {"source": "admin", **{k: v for k, v in self._registered[name].items() if k != "path"}}
                 ),
                 "replicas": held.get(name, {}),
+                **({"refused": why} if (why := self._refusal(name, path)) else {}),
             }
             for name, path in sorted(paths.items())
         ]

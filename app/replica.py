@@ -25,7 +25,7 @@ from jinja2 import TemplateError
 from ray import serve
 
 from app.config import AppConfig, use_gpu
-from app.controller import ControllerClient, GraphController
+from app.controller import ControllerClient, ControllerUnavailable, GraphController
 from app.failover import continuation
 from app.logs import send_app_logs_to_stderr
 from app.metrics import CarriedCounters, RequestMetrics
@@ -266,6 +266,7 @@ class LLMReplica:
         self.start_s = time.monotonic() - started
         await self._sync_toggles_logged()
         self._background.append(asyncio.create_task(self._poll_toggles()))
+        self._background.append(asyncio.create_task(self._screen_adapters()))
         self.controller.notify(GraphController.report, self.replica_id, self.status())
         log.info("replica %s: %s, serving %s", self.replica_id, self.engine_status.state, self.config.model)
 
@@ -440,6 +441,7 @@ class LLMReplica:
             else:
                 self.config, self.model_fallback = target, None
                 step, path = "serving", report.pop("path")
+                self._background.append(asyncio.create_task(self._screen_adapters()))  # the new weights forgot them
                 detail = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
                 log.info("replica %s: swap %s done (%s): %s", self.replica_id, swap_id, path, detail)
             self.tokenizer = self.engine.tokenizer
@@ -479,6 +481,27 @@ class LLMReplica:
         """Serve stops this replica: the controller hears it at once (once it had one to tell)."""
         if "controller" in self.__dict__:
             self.controller.notify(GraphController.leave, self.replica_id)
+
+    async def _screen_adapters(self) -> None:
+        """Every adapter served (the config's and those registered through the admin API) read
+        against this engine's slots: one this configuration refuses (a restart that lowered
+        max_lora_rank or narrowed lora.target_modules) is logged and listed as refused in the
+        status, so /v1/models leaves it out before a request for it finds out with a 400."""
+        if self.config.lora is None:
+            return
+        try:
+            registered = await self.controller.call(GraphController.get_lora_adapters)
+        except ControllerUnavailable:
+            registered = {}  # requests for them still find a refusal out, one at a time
+        adapters = {**{name: entry["path"] for name, entry in registered.items()}, **self.config.lora_modules}
+        adapters.pop(self.configured.served_name(), None)  # the model is served under that name
+        try:
+            refused = await self.engine.screen_adapters(adapters)
+        except (EngineDeadError, TimeoutError) as e:
+            log.warning("replica %s: the served adapters were not screened: %s", self.replica_id, e)
+            return
+        for name, why in sorted(refused.items()):
+            log.warning("replica %s: adapter %r cannot be served by this configuration: %s", self.replica_id, name, why)
 
     async def check_adapter(self, name: str, path: str) -> dict:
         """Load and verify an adapter before an operator registers it: {"replica_id", "slot",

@@ -27,7 +27,15 @@ from workers.front.async_engine import EngineDeadError
 from workers.front.engine_process import EngineChild, EngineProcess
 from workers.modeling.checkpoint_dir import CheckpointError, load_tokenizer
 from workers.modeling.default_model import model_dir
-from workers.protocol import CheckAdapter, EngineRequest, EngineStatus, Gate, StreamEvent, SwapInPlace
+from workers.protocol import (
+    CheckAdapter,
+    EngineRequest,
+    EngineStatus,
+    Gate,
+    ScreenAdapters,
+    StreamEvent,
+    SwapInPlace,
+)
 from workers.serving.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -179,6 +187,9 @@ class LocalEngine:
     async def check_adapter(self, name: str, path: str) -> dict:
         """Load and verify an adapter in the engine (InvalidRequest says why it cannot serve)."""
         return await self.runner.ask(CheckAdapter(name, path), self.start_timeout_s)
+
+    async def screen_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        return await self.runner.ask(ScreenAdapters(adapters), self.start_timeout_s)
 
     def set_graph_denial(self, request_id: str, reason: FallbackReason | None) -> None:
         self.runner.set_graph_denial(request_id, reason)
@@ -394,6 +405,12 @@ class ShardGroup:
             return await self.rank0.check_adapter.remote(name, path)
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
+        except ray.exceptions.RayActorError as e:
+            raise rank0_gone(e) from None
+
+    async def screen_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        try:
+            return await self.rank0.screen_adapters.remote(adapters)
         except ray.exceptions.RayActorError as e:
             raise rank0_gone(e) from None
 

@@ -221,6 +221,10 @@ class Engine(Protocol):
     async def check_adapter(self, name: str, path: str) -> dict:
         """Load and verify a LoRA adapter on every rank; InvalidRequest says why it cannot serve."""
 
+    async def screen_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        """Read adapters' configs (name -> path) against the slots, remembering those refused
+        (its status lists them); name -> why, of those."""
+
     async def swap(self, config: EngineConfig) -> dict:
         """Serve `config` instead, gated on every rank; SwapFailed when the old model serves again."""
 
@@ -299,7 +303,14 @@ class CheckAdapter:
     path: str
 
 
-Question = Status | SwapInPlace | Gate | CheckAdapter
+@dataclass(frozen=True)
+class ScreenAdapters:
+    """Read LoRA adapters' configs against the slots (name -> path); name -> why, of those refused."""
+
+    adapters: dict[str, str]
+
+
+Question = Status | SwapInPlace | Gate | CheckAdapter | ScreenAdapters
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """LoRA adapters through a real Ray Serve app (one replica, the tiny shape, adapters made by peft):
 the openai client picks an adapter with `model`, /v1/models lists it with its parent, an unknown
 name is a 404; operators register, list and remove adapters under load (every request answered),
-an adapter that cannot be served is refused with a 400 naming why, and each change is audited."""
+an adapter that cannot be served is refused with a 400 naming why, and each change is audited; a
+restart whose limits refuse a registered adapter lists it as refused and keeps it from /v1/models."""
 
 from __future__ import annotations
 
@@ -145,3 +146,38 @@ def test_operators_add_and_remove_adapters_under_load(app):
     metrics = server.http.get("/metrics").text
     assert 'graphserve_lora_generated_tokens_total{adapter="greet"' in metrics
     assert "graphserve_lora_adapter_loads_total{replica=" in metrics
+
+
+def test_a_restart_with_a_lower_max_lora_rank_refuses_a_registered_adapter_saying_why(app):
+    """An operator registered `late` (rank 8), then the deployment restarts with max_lora_rank 4.
+    The registration stays (raising the rank again serves it), but the replica refuses the adapter
+    from the start: /admin/lora-adapters says why, /v1/models leaves it out, a request for it is a
+    400 naming the rank (it was listed, and every request for it a 400), and `greet` serves on."""
+    from ray import serve
+
+    from app import deployment
+
+    server, _, adapters = app
+    added = admin(server, "POST", "/admin/lora-adapters", {"name": "late", "path": adapters["late"]})
+    assert added.status_code == 201, added.text
+    server.args["lora"] = {"max_loras": 2, "max_lora_rank": 4}
+    serve.run(deployment(server.args), blocking=False, name="graphserve-lora")
+    listed = wait_for(
+        lambda: (
+            (b := admin(server, "GET", "/admin/lora-adapters").json())
+            and b["lora"]["max_lora_rank"] == 4
+            and any("refused" in a for a in b["adapters"])
+            and b
+        ),
+        120,
+        what="the restarted replica's refusal of late",
+    )
+    adapters_listed = {a["name"]: a for a in listed["adapters"]}
+    assert adapters_listed["late"]["refused"] == "r: rank 8 is above max_lora_rank 4"
+    assert adapters_listed["late"]["source"] == "admin" and "refused" not in adapters_listed["greet"]
+    assert {m.id for m in client(server).models.list().data} == {MODEL, "greet"}
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("late")
+    with pytest.raises(openai.BadRequestError, match="rank 8 is above max_lora_rank 4"):
+        complete(server, "late")
+    assert complete(server, "greet")

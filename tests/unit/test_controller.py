@@ -386,6 +386,18 @@ def test_a_replica_that_leaves_is_out_of_the_statuses_at_once(tmp_path):
     assert set(c.replica_statuses()) == {"r1", "r2"}
 
 
+def test_an_adapter_is_refused_while_a_live_replica_refuses_it_and_none_holds_it(tmp_path):
+    c = GraphController(str(tmp_path / "state.json"), {})
+    wide = {"path": "/adapters/wide", "reason": "r: rank 16 is above max_lora_rank 8"}
+    mended = {"path": "/adapters/sql", "reason": "no adapter_config.json"}
+    c.report("r1", {"state": "READY", "lora": {"adapters": {}, "refused": {"wide": wide, "sql": mended}}})
+    c.report("r2", {"state": "READY", "lora": {"adapters": {"sql": {"slot": 1, "requests": 0}}, "refused": {}}})
+    c.report("r3", {"state": "READY"})  # LoRA off, or a status of an earlier version
+    assert c.lora_refusals() == {"wide": wide}  # r2 loaded sql since: it serves
+    c.leave("r1")
+    assert c.lora_refusals() == {}
+
+
 def test_an_invalid_plan_is_refused_in_our_words_naming_the_field(tmp_path):
     """A rollout plan's 400 began with pydantic's "Value error, " and named no field, unlike the
     admin API's other 400s; each now says what is wrong and, where it is one field, which."""

@@ -312,6 +312,38 @@ def test_a_target_outside_the_slots_and_lora_off_are_refused(tiny, adapters):
     assert off.status().lora is None and off.model.lora is None and off.runners.lora is None
 
 
+def test_screening_refuses_what_loading_refuses_until_a_load_succeeds(tiny, adapters, tmp_path):
+    """A restart that narrowed the slots (here to q_proj and v_proj) or lowered max_lora_rank:
+    screening the served adapters reads their configs alone and refuses each with the reason its
+    load gives; the status lists them (the ingress keeps them from /v1/models). A request loads
+    again: once the files are mended it serves and the refusal is gone; new weights forget all."""
+    import shutil
+
+    engine = lora_engine(tiny, limits={"target_modules": ("q_proj", "v_proj")})
+    served = {
+        "all": adapters["all"],
+        "attn": adapters["attn"],
+        "wide": broken(adapters, tmp_path, lambda c, w: ({**c, "r": 16}, w)),
+        "gone": str(tmp_path / "nonexistent"),
+    }
+    refused = engine.screen_adapters(served)
+    assert set(refused) == {"all", "wide", "gone"}
+    assert "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'up_proj'] are outside" in refused["all"]
+    assert refused["wide"] == "r: rank 16 is above max_lora_rank 8" and "no adapter_config.json" in refused["gone"]
+    assert engine.adapter_slots.holder == {}  # nothing was loaded to find it out
+    for name in refused:
+        with pytest.raises(InvalidRequest) as e:
+            engine.add_request(PROMPTS[0], GREEDY, adapter=(name, served[name]))
+        assert str(e.value) == f"adapter {name!r} cannot be served: {refused[name]}"
+    status = engine.status().lora["refused"]
+    assert status == {name: {"path": served[name], "reason": why} for name, why in refused.items()}
+    shutil.copytree(adapters["attn"], served["gone"])  # mended: it fits the slots
+    assert run(engine, [(PROMPTS[0], "gone")], served) == run(engine, [(PROMPTS[0], "attn")], served)
+    assert set(engine.status().lora["refused"]) == {"all", "wide"}
+    engine.forget_adapters()
+    assert engine.status().lora["refused"] == {}
+
+
 def test_check_adapter_loads_and_verifies_without_a_request(tiny, adapters):
     engine = lora_engine(tiny)
     report = engine.check_adapter("mlp", adapters["mlp"])

@@ -169,6 +169,7 @@ def reporting_replica(engine, **more) -> SimpleNamespace:
         config=AppConfig.from_args({}),
         model_fallback=None,
         counters=CarriedCounters(),
+        _background=[],
         **more,
     )
 
@@ -221,7 +222,7 @@ def test_a_swap_carries_the_steps_its_drain_let_finish():
     replica = reporting_replica(
         engine, tenant_of={}, controller=SimpleNamespace(notify=lambda method, replica_id, status: None)
     )
-    for name in ("_swap", "_set_swap_step", "_drain", "_refresh_status", "status"):
+    for name in ("_swap", "_set_swap_step", "_drain", "_refresh_status", "_screen_adapters", "status"):
         setattr(replica, name, getattr(LLMReplica, name).__get__(replica))
     asyncio.run(replica._refresh_status())
     assert replica.status()["stats"]["decode_steps"] == 10

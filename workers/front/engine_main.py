@@ -23,6 +23,7 @@ from workers.protocol import (
     Question,
     Ready,
     Reply,
+    ScreenAdapters,
     Status,
     StepOutputs,
     Stop,
@@ -56,6 +57,8 @@ def serve_engine(commands: Connection, events: Connection) -> None:
                     return report
                 case CheckAdapter(name, path):
                     return engine.check_adapter(name, path)
+                case ScreenAdapters(adapters):
+                    return engine.screen_adapters(adapters)
                 case Gate():
                     return run_gate(engine, tokenizer, engine.config.gate_prompts_file)
         except Exception as e:  # the engine serves on (an in-place swap put the old weights back)

@@ -90,6 +90,9 @@ class ShardWorker:
     async def check_adapter(self, name: str, path: str) -> dict:
         return await self.engine.call(lambda engine: engine.check_adapter(name, path))
 
+    async def screen_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        return await self.engine.call(lambda engine: engine.screen_adapters(adapters))
+
     async def swap_in_place(self, config: EngineConfig) -> dict:
         """Every rank loads `config.model` (same shapes) in place and votes after the gate; the old
         weights serve again on every rank when one fails (`swap_weights_in_place`)."""

@@ -221,16 +221,12 @@ def adapter_version(path: str | Path) -> tuple:
     return tuple(out)
 
 
-def load_adapter(
-    path: str | Path, name: str, cfg: ModelConfig, max_rank: int, device: torch.device | str = "cpu"
-) -> LoraAdapter:
-    """Read and check a PEFT adapter for a model of `cfg`, its tensors onto `device` (so the copy
-    into a slot is one on the device); AdapterError names what is wrong."""
-    path = Path(path)
+def read_adapter_config(path: Path) -> AdapterConfig:
+    """The adapter's adapter_config.json; AdapterError names what is wrong with it."""
     if (path / "adapter_config.json").exists() and not (path / "adapter_config.json").is_file():
         raise AdapterError(f"{path}: adapter_config.json is not a file")  # a FIFO would block the read
     try:
-        config = AdapterConfig.model_validate(json.loads((path / "adapter_config.json").read_text()))
+        return AdapterConfig.model_validate(json.loads((path / "adapter_config.json").read_text()))
     except OSError as e:
         raise AdapterError(f"{path}: no adapter_config.json ({e.strerror or e})") from e
     except ValidationError as e:
@@ -238,6 +234,39 @@ def load_adapter(
         raise AdapterError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
     except ValueError as e:
         raise AdapterError(f"{path / 'adapter_config.json'}: not valid JSON ({e})") from e
+
+
+def screen_adapter(path: str | Path, num_layers: int, max_rank: int, slot_targets: Collection[str]) -> str | None:
+    """Why the adapter at `path` cannot go into slots of `max_rank` on `slot_targets`, from its
+    adapter_config.json alone (its tensors are checked as it loads): cheap enough to run over every
+    served adapter as a replica starts. None: nothing in its config refuses it."""
+    try:
+        config = read_adapter_config(Path(path))
+        why = refusal(config, max_rank)
+        targets = set() if why else {target for _, target in targeted(config, num_layers)}
+    except AdapterError as e:
+        return str(e)
+    return why or slot_refusal(targets, config.r, slot_targets, max_rank)
+
+
+def slot_refusal(targets: Collection[str], rank: int, slot_targets: Collection[str], max_rank: int) -> str | None:
+    """Why an adapter on `targets` of `rank` needs more than slots on `slot_targets` of
+    `max_rank` give (raising the limits means new slots, so new graphs: a rebuild)."""
+    outside = sorted(set(targets) - set(slot_targets))
+    if outside:
+        return f"target_modules: {outside} are outside lora.target_modules {list(slot_targets)}"
+    if rank > max_rank:
+        return f"r: rank {rank} is above max_lora_rank {max_rank}"
+    return None
+
+
+def load_adapter(
+    path: str | Path, name: str, cfg: ModelConfig, max_rank: int, device: torch.device | str = "cpu"
+) -> LoraAdapter:
+    """Read and check a PEFT adapter for a model of `cfg`, its tensors onto `device` (so the copy
+    into a slot is one on the device); AdapterError names what is wrong."""
+    path = Path(path)
+    config = read_adapter_config(path)
     why = refusal(config, max_rank)
     if why:
         raise AdapterError(why)
@@ -432,13 +461,10 @@ class LoraSlots:
             linear.load(slot, adapter, layer)
 
     def check(self, adapter: LoraAdapter) -> None:
-        """AdapterError when the adapter needs more than these slots give: a higher rank, or a layer
-        they do not adapt (raising the limits means new slots, so new graphs: a rebuild)."""
-        outside = sorted(adapter.targets - set(self.targets))
-        if outside:
-            raise AdapterError(f"target_modules: {outside} are outside lora.target_modules {list(self.targets)}")
-        if adapter.rank > self.max_rank:
-            raise AdapterError(f"r: rank {adapter.rank} is above max_lora_rank {self.max_rank}")
+        """AdapterError when the adapter needs more than these slots give (`slot_refusal`)."""
+        why = slot_refusal(adapter.targets, adapter.rank, self.targets, self.max_rank)
+        if why:
+            raise AdapterError(why)
 
     @contextlib.contextmanager
     def random_contents(self, seed: int) -> Iterator[None]:

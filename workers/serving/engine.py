@@ -34,7 +34,7 @@ from workers.modeling.checkpoint import load_model, model_revision
 from workers.modeling.checkpoint_dir import load_tokenizer
 from workers.modeling.config import DTYPES, ModelConfig, load_config
 from workers.modeling.default_model import model_dir as resolve_model_dir
-from workers.modeling.lora import AdapterError, adapter_version, load_adapter
+from workers.modeling.lora import AdapterError, adapter_version, load_adapter, screen_adapter
 from workers.modeling.model import LlamaModel
 from workers.modeling.parallel import TPGroup
 from workers.serving.batch_sampler import AHEAD_MIN_ROWS, BatchSampler, Draw
@@ -232,6 +232,9 @@ class LLMEngine:
         self.runners = make_runners(model, self.cache, config)
         self.runner = self.runners.base
         self.adapter_slots = AdapterSlots(model.lora.max_loras) if model.lora else None
+        # adapters whose last load here was refused, name -> {"path", "reason"}: listed for operators,
+        # kept from /v1/models; a later request loads again (files mended, new weights) and clears it
+        self.refused_adapters: dict[str, dict[str, str]] = {}
         self._adapter_loads = 0  # adapters loaded into slots so far: each load's generation
         # slot -> the load it holds: its generation, and the version of the files it read (`adapter_version`)
         self._slot_load: dict[int, tuple[int, tuple]] = {}
@@ -340,6 +343,7 @@ class LLMEngine:
             "max_lora_rank": lora.max_rank,
             "target_modules": list(lora.targets),
             "adapters": self.adapter_slots.report(),
+            "refused": {name: dict(why) for name, why in self.refused_adapters.items()},
         }
 
     def _set_state(self, state: EngineState) -> None:
@@ -425,6 +429,21 @@ class LLMEngine:
         self._release_adapter(seq)
         return {"name": name, "slot": self.adapter_slots.slot_of((name, path)), "seconds": time.perf_counter() - start}
 
+    def screen_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        """Read each adapter's config (name -> path; no tensors) against this engine's slots: those
+        it refuses are remembered as a refused load is, so /v1/models leaves them out before anyone
+        asks for them (a restart that lowered max_lora_rank). Returns name -> why, of those."""
+        if self.adapter_slots is None:
+            return {}
+        lora = self.model.lora
+        refused = {}
+        for name, path in adapters.items():
+            why = screen_adapter(path, self.model.cfg.num_layers, lora.max_rank, lora.targets)
+            if why is not None:
+                refused[name] = why
+                self.refused_adapters[name] = {"path": path, "reason": why}
+        return refused
+
     def _grant_adapter(self, seq: Sequence) -> bool:
         """Pin a slot holding seq's adapter (loading it into the least recently used idle slot if
         none does); False when every slot is pinned by other adapters' requests."""
@@ -447,8 +466,10 @@ class LLMEngine:
                 self.adapter_slots.drop(seq.adapter)
                 self.stats.record_adapter_load("refused", 0.0)
                 if isinstance(e, AdapterError):
+                    self.refused_adapters[seq.adapter[0]] = {"path": seq.adapter[1], "reason": str(e)}
                     raise InvalidRequest(f"adapter {seq.adapter[0]!r} cannot be served: {e}") from e
                 raise
+        self.refused_adapters.pop(seq.adapter[0], None)
         seq.adapter_slot = grant.slot
         seq.cache_salt = adapter_salt(*seq.adapter, self._slot_load[grant.slot][0])
         return True
@@ -482,6 +503,7 @@ class LLMEngine:
         adapter loads and verifies it again."""
         if self.adapter_slots is not None:
             self.adapter_slots = AdapterSlots(self.adapter_slots.max_loras)
+        self.refused_adapters.clear()
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix: what new weights compute differs from what the pages hold."""

@@ -39,7 +39,7 @@ class EngineStatus:
     stats: dict
     memory_mb: dict[str, float]  # weights, kv_pool, graphs (and lora slots): this rank's device memory, apart
     kv_cache: KvCacheStatus
-    lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded: slot, requests)
+    lora: dict | None = None  # max_loras, max_lora_rank, target_modules, adapters (loaded), refused (path, reason)
     shards: list[dict] | None = None  # with tensor parallelism: each rank's own capture
     startup: dict | None = None  # total_s, phases (seconds each, `startup.py`), compiled_graphs
     prefill_buckets: dict[str, dict] | None = None  # per prefill bucket of token counts, as `buckets`
