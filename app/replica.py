@@ -245,6 +245,7 @@ class LLMReplica:
             if self.config.lora
             else None
         )
+        self._screened_restarts: int | None = None  # the engine's restarts when it last screened adapters
         self._background = [asyncio.create_task(self._report())]  # STARTING until the engine is READY
         if self.config.startup_delay_s:
             await asyncio.sleep(self.config.startup_delay_s)
@@ -266,7 +267,6 @@ class LLMReplica:
         self.start_s = time.monotonic() - started
         await self._sync_toggles_logged()
         self._background.append(asyncio.create_task(self._poll_toggles()))
-        self._background.append(asyncio.create_task(self._screen_adapters()))
         self.controller.notify(GraphController.report, self.replica_id, self.status())
         log.info("replica %s: %s, serving %s", self.replica_id, self.engine_status.state, self.config.model)
 
@@ -411,6 +411,10 @@ class LLMReplica:
         while True:
             await self._refresh_status()
             self.controller.notify(GraphController.report, self.replica_id, self.status())
+            serving = self.engine_status is not None and self.engine_status.state == EngineState.READY.value
+            if serving and not self.draining and self._screened_restarts != self.engine.restarts:
+                self._screened_restarts = self.engine.restarts
+                self._background.append(asyncio.create_task(self._screen_adapters()))
             splitting = self.cohort_rule is not None and 0 < self.cohort_rule.percent < 100
             await asyncio.sleep(ROLLOUT_STATUS_EVERY_S if splitting else STATUS_EVERY_S)
 
@@ -441,7 +445,7 @@ class LLMReplica:
             else:
                 self.config, self.model_fallback = target, None
                 step, path = "serving", report.pop("path")
-                self._background.append(asyncio.create_task(self._screen_adapters()))  # the new weights forgot them
+                self._screened_restarts = None  # the new weights forgot the refusals: screen again
                 detail = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
                 log.info("replica %s: swap %s done (%s): %s", self.replica_id, swap_id, path, detail)
             self.tokenizer = self.engine.tokenizer
@@ -486,7 +490,8 @@ class LLMReplica:
         """Every adapter served (the config's and those registered through the admin API) read
         against this engine's slots: one this configuration refuses (a restart that lowered
         max_lora_rank or narrowed lora.target_modules) is logged and listed as refused in the
-        status, so /v1/models leaves it out before a request for it finds out with a 400."""
+        status, so /v1/models leaves it out before a request for it finds out with a 400. Run
+        once the engine serves, and again after a swap or a restart in place (each forgets)."""
         if self.config.lora is None:
             return
         try:

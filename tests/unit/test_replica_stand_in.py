@@ -169,7 +169,6 @@ def reporting_replica(engine, **more) -> SimpleNamespace:
         config=AppConfig.from_args({}),
         model_fallback=None,
         counters=CarriedCounters(),
-        _background=[],
         **more,
     )
 
@@ -222,7 +221,7 @@ def test_a_swap_carries_the_steps_its_drain_let_finish():
     replica = reporting_replica(
         engine, tenant_of={}, controller=SimpleNamespace(notify=lambda method, replica_id, status: None)
     )
-    for name in ("_swap", "_set_swap_step", "_drain", "_refresh_status", "_screen_adapters", "status"):
+    for name in ("_swap", "_set_swap_step", "_drain", "_refresh_status", "status"):
         setattr(replica, name, getattr(LLMReplica, name).__get__(replica))
     asyncio.run(replica._refresh_status())
     assert replica.status()["stats"]["decode_steps"] == 10
@@ -231,3 +230,60 @@ def test_a_swap_carries_the_steps_its_drain_let_finish():
     asyncio.run(asyncio.wait_for(replica._swap(order), 10))
     assert replica.swap_progress["step"] == "serving"
     assert replica.status()["stats"]["decode_steps"] == 12
+
+
+class ScreeningEngine(CountingEngine):
+    """A READY engine that records each screening of the served adapters, and the restart it was in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.screened: list[tuple[int, dict[str, str]]] = []
+
+    async def screen_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        self.screened.append((self.restarts, adapters))
+        return {"late": "r: rank 8 is above max_lora_rank 4"}
+
+
+def test_the_served_adapters_are_screened_once_per_engine_that_serves():
+    """Refusals live in the engine: a replica screens the served adapters (the config's and the
+    registered ones, bar the served model's name) once its engine serves, again after the engine
+    restarted in place or swapped (each forgets them), and not on every status report."""
+    config = AppConfig.from_args(
+        {"served_model_name": "base", "lora": {"max_loras": 2, "max_lora_rank": 4}, "lora_modules": {"sql": "/a/sql"}}
+    )
+    registered = {"late": {"path": "/a/late"}, "base": {"path": "/a/shadowed"}}
+
+    async def call(method, *args):
+        assert method.__name__ == "get_lora_adapters"
+        return registered
+
+    engine = ScreeningEngine()
+    reports: list[dict] = []
+    controller = SimpleNamespace(notify=lambda method, replica_id, status: reports.append(status), call=call)
+    replica = reporting_replica(engine, controller=controller, configured=config, cohort_rule=None, tenant_of={})
+    replica.config, replica.engine_status, replica._screened_restarts, replica._background = config, None, None, []
+    for name in ("_report", "_refresh_status", "_screen_adapters", "status", "_swap", "_set_swap_step", "_drain"):
+        setattr(replica, name, getattr(LLMReplica, name).__get__(replica))
+
+    async def report_until_screened(times: int, more_reports: int = 0) -> None:
+        reporting = asyncio.create_task(replica._report())
+        try:
+            while len(engine.screened) < times:
+                await asyncio.sleep(0.01)
+            seen = len(reports)
+            while len(reports) < seen + more_reports:
+                await asyncio.sleep(0.01)
+        finally:
+            reporting.cancel()
+
+    served = {"late": "/a/late", "sql": "/a/sql"}
+    asyncio.run(asyncio.wait_for(report_until_screened(1, more_reports=2), 10))
+    assert engine.screened == [(0, served)]
+    engine.restarts = 1  # restarted in place: a new child, its refusals forgotten
+    asyncio.run(asyncio.wait_for(report_until_screened(2), 10))
+    assert engine.screened == [(0, served), (1, served)]
+    order = {"id": "swap-1", "target": {"graph_policy": {"mode": "eager"}}, "drain_timeout_s": 1.0}
+    asyncio.run(asyncio.wait_for(replica._swap(order), 10))
+    assert replica.swap_progress["step"] == "serving"
+    asyncio.run(asyncio.wait_for(report_until_screened(3), 10))
+    assert engine.screened[2] == (1, served)
