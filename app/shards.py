@@ -67,10 +67,8 @@ class SwapFailed(RuntimeError):
 
 def _in_place(old: EngineConfig, new: EngineConfig) -> bool:
     """Whether `new` only names another checkpoint of the same shapes (its weights load in place).
-    A .gguf file is compared by its converted checkpoint (converted here at most once: the cache
-    keeps it), so it runs in a thread."""
-    if old.model is None or new.model is None:
-        return False
+    The default model (`model` unset) and a .gguf file are compared by their checkpoint directory
+    (converted here at most once: the cache keeps it), so it runs in a thread."""
     same_settings = (
         dataclasses.replace(
             new, model=old.model, model_revision=old.model_revision, gate_prompts_file=old.gate_prompts_file

@@ -78,6 +78,19 @@ def test_only_a_checkpoint_of_the_same_shapes_swaps_in_place(checkpoints):
     assert not same_shapes(checkpoints["old"], checkpoints["wide"])
 
 
+def test_a_swap_from_or_to_the_default_model_loads_in_place_when_the_shapes_match(checkpoints, tmp_path, monkeypatch):
+    """The default model (`model` unset) was never compared: a swap from it to a fine-tune of the
+    same shapes rebuilt the engine (a new process, every graph captured again)."""
+    from app.shards import _in_place
+
+    monkeypatch.setenv("GRAPHSERVE_DEFAULT_MODEL", "tiny")
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(tmp_path))
+    default, new = EngineConfig(model=None), EngineConfig(model=str(checkpoints["new"]))
+    assert _in_place(default, new) and _in_place(new, default)
+    assert not _in_place(default, EngineConfig(model=str(checkpoints["wide"])))
+    assert not _in_place(default, dataclasses.replace(new, max_model_len=64))  # another setting: a rebuild
+
+
 def test_the_operators_prompts_must_decode_to_their_completions(checkpoints, tmp_path):
     engine, tokenizer = engine_on(checkpoints["new"])
     params = SamplingParams(max_tokens=6, temperature=0.0)
