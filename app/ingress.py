@@ -354,10 +354,8 @@ class Ingress:
         now = asyncio.get_running_loop().time()
         if now - self._registered_at > self.config.toggle_poll_s:
             try:
-                self._registered, self._refused = await asyncio.gather(
-                    self.controller.call(GraphController.get_lora_adapters),
-                    self.controller.call(GraphController.lora_refusals),
-                )
+                self._registered = await self.controller.call(GraphController.get_lora_adapters)
+                self._refused = await self.controller.call(GraphController.lora_refusals)
                 self._registered_at = now
             except ControllerUnavailable:
                 log.warning("the controller did not answer; serving the adapters it last listed")
