@@ -106,7 +106,10 @@ def test_parse_returns_each_pydantic_model_and_json_object_mode_returns_json(cli
         *[lambda m=m: parse(client, m) for m in models],
         lambda: client.chat.completions.create(
             model=SMOLLM2_NAME,
-            messages=ask("Give me a JSON object describing Paris."),
+            # an open question ("Give me a JSON object describing Paris.") sends greedy SmolLM2 into
+            # endless nesting within the grammar ({"data": {"data": ...) on today's packages: the
+            # model's choice, not the grammar's; keys named in the prompt keep it to a short object
+            messages=ask("Describe Paris as a JSON object with the keys city and country."),
             response_format={"type": "json_object"},
             max_tokens=MAX_TOKENS,
             temperature=0,
