@@ -43,6 +43,7 @@ from collections import OrderedDict
 import llguidance
 import torch
 
+from workers.serving.grammar_tokenizer import grammar_tokenizer
 from workers.serving.json_schema import CACHE_SIZE, InvalidSchema, grammar_of
 from workers.serving.sampling import InvalidRequest
 
@@ -134,8 +135,9 @@ class CompiledSchema:
 class GrammarCompiler:
     """One engine's grammars: compiled for its tokenizer, cached, off the step loop.
 
-    The llguidance tokenizer (about 0.2 s for 49k tokens) is built on the first compile, in the
-    compile thread, so an engine that never serves a schema never pays for it. `vocab_size` is the
+    The llguidance tokenizer (about 0.2 s for 49k tokens, and ~0.15 s to check its reading of
+    every token against the tokenizer's: `grammar_tokenizer.py`) is built on the first compile, in
+    the compile thread, so an engine that never serves a schema never pays for it. `vocab_size` is the
     model's logits width: the masks need not cover it. Ids past the tokenizer's (a padded
     vocabulary: 128256 logits over a 49152-token tokenizer in the benchmark) have no bytes and are
     never allowed, and the apply bans every column past a mask's words, so a mask has a bit only
@@ -147,7 +149,7 @@ class GrammarCompiler:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = max(len(tokenizer), max(eos_token_ids, default=-1) + 1)
         self.cache_size = cache_size
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer: llguidance.LLTokenizer | InvalidSchema | None = None
         self._cache: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
         # several: one schema that takes seconds to compile does not hold up the others' requests
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="graphserve-grammar")
@@ -206,14 +208,18 @@ class GrammarCompiler:
         return matcher
 
     def tokenizer(self) -> llguidance.LLTokenizer:
+        """The llguidance tokenizer (`grammar_tokenizer`), or the InvalidSchema saying why there
+        is none, built once."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    self.hf_tokenizer.backend_tokenizer.to_str(),
-                    n_vocab=self.vocab_size,
-                    eos_token=list(self.eos_token_ids) or None,
-                    slices=SLICES,
-                )
+                try:
+                    self._tokenizer = grammar_tokenizer(
+                        self.hf_tokenizer, self.vocab_size, list(self.eos_token_ids), SLICES
+                    )
+                except InvalidSchema as e:
+                    self._tokenizer = e
+            if isinstance(self._tokenizer, InvalidSchema):
+                raise InvalidSchema(str(self._tokenizer))
             return self._tokenizer
 
     def grammar(self, compiled: CompiledSchema) -> Grammar:
