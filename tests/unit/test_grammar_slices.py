@@ -16,6 +16,7 @@ from tests.smollm2 import smollm2_cache
 from workers.modeling.default_model import smollm2_file
 from workers.modeling.gguf import converted
 from workers.serving.grammar import SLICES, GrammarCompiler
+from workers.serving.grammar_tokenizer import tokenizer_json
 from workers.serving.json_schema import canonical_schema, grammar_of
 
 WORDS = "the quick brown fox jumps over the lazy dog " * 3
@@ -33,10 +34,10 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compilers(tokenizer):
-    """graphserve's compiler, and llguidance's default tokenizer for the same vocabulary."""
+    """graphserve's compiler, and llguidance's default slicing of the same vocabulary."""
     compiler = GrammarCompiler(tokenizer, (tokenizer.eos_token_id,), len(tokenizer))
     general = llguidance.LLTokenizer(
-        tokenizer.backend_tokenizer.to_str(), n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id]
+        tokenizer_json(tokenizer), n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id]
     )
     yield compiler, general
     compiler.close()
