@@ -476,6 +476,13 @@ class AppConfig(BaseModel):
         reachable = scaling.model_copy(update={"target_ongoing_requests": capacity})
         return self.model_copy(update={"autoscaling": reachable})
 
+    def served_adapters(self, registered: dict[str, dict]) -> dict[str, str]:
+        """Every adapter served, name -> path: those `registered` through the admin API, bar one
+        with the served model's name (the model is served under it), and the config's
+        `lora_modules`, which win over a registration of the same name."""
+        served = {name: entry["path"] for name, entry in registered.items() if name != self.served_name()}
+        return {**served, **self.lora_modules}
+
     def check_lora_modules(self) -> None:
         """ValueError naming the `lora_modules` that hold no adapter: checked where a replica runs
         (the directories are the replicas' to see), else /v1/models listed them and every request

@@ -359,8 +359,7 @@ class Ingress:
                 self._registered_at = now
             except ControllerUnavailable:
                 log.warning("the controller did not answer; serving the adapters it last listed")
-        registered = {n: e["path"] for n, e in self._registered.items() if n != self.model_name}
-        if len(registered) < len(self._registered) and not self._shadowed_logged:
+        if self.model_name in self._registered and not self._shadowed_logged:
             self._shadowed_logged = True
             log.warning(
                 "adapter %r, registered through the admin API, has the served model's name: the model is served "
@@ -368,7 +367,7 @@ class Ingress:
                 self.model_name,
                 self.model_name,
             )
-        return {**registered, **self.config.lora_modules}
+        return self.config.served_adapters(self._registered)
 
     # -- OpenAI API --------------------------------------------------------------------------------
 

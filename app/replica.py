@@ -498,10 +498,8 @@ class LLMReplica:
             registered = await self.controller.call(GraphController.get_lora_adapters)
         except ControllerUnavailable:
             registered = {}  # requests for them still find a refusal out, one at a time
-        adapters = {**{name: entry["path"] for name, entry in registered.items()}, **self.config.lora_modules}
-        adapters.pop(self.configured.served_name(), None)  # the model is served under that name
         try:
-            refused = await self.engine.screen_adapters(adapters)
+            refused = await self.engine.screen_adapters(self.configured.served_adapters(registered))
         except (EngineDeadError, TimeoutError) as e:
             log.warning("replica %s: the served adapters were not screened: %s", self.replica_id, e)
             return

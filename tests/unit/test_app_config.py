@@ -386,3 +386,11 @@ def test_lora_modules_without_an_adapter_are_named(tmp_path):
     )
     with pytest.raises(ValueError, match=r"lora_modules: \{'x': '.*none'\} hold no adapter_config.json"):
         config.check_lora_modules()
+
+
+def test_the_adapters_served_are_the_registered_bar_the_models_name_and_the_configs_over_them():
+    config = AppConfig.from_args(
+        {"served_model_name": "base", "lora": {"max_loras": 2}, "lora_modules": {"sql": "/config/sql"}}
+    )
+    registered = {"sql": {"path": "/admin/sql"}, "chat": {"path": "/admin/chat"}, "base": {"path": "/admin/base"}}
+    assert config.served_adapters(registered) == {"sql": "/config/sql", "chat": "/admin/chat"}
