@@ -9,6 +9,7 @@ import logging
 import math
 from types import SimpleNamespace
 
+from app.config import AppConfig
 from app.ingress import Ingress
 
 REGISTERED = {
@@ -20,10 +21,13 @@ REGISTERED = {
 
 def ingress(model_name: str, lora_modules: dict[str, str]) -> SimpleNamespace:
     async def call(method, *args):
-        return REGISTERED
+        return {"get_lora_adapters": REGISTERED, "lora_refusals": {}}[method.__name__]
 
+    config = AppConfig.from_args(
+        {"served_model_name": model_name, "lora": {"max_loras": 2}, "lora_modules": lora_modules}
+    )
     fake = SimpleNamespace(
-        config=SimpleNamespace(lora=object(), lora_modules=lora_modules, toggle_poll_s=1.0),
+        config=config,
         model_name=model_name,
         controller=SimpleNamespace(call=call),
         _registered={},
