@@ -1,5 +1,6 @@
-"""Tensor-parallel shard actors on CPU (gloo): TP = 2 decodes what TP = 1 decodes, and a dead
-shard is noticed quickly without anything hanging."""
+"""Tensor-parallel shard actors on CPU (gloo): TP = 2 decodes what TP = 1 decodes, rank 0 screens
+LoRA adapters against the group's slots, and a dead shard is noticed quickly without anything
+hanging."""
 
 import asyncio
 import time
@@ -8,6 +9,8 @@ import pytest
 import ray
 
 from app.shards import ShardGroup
+from policies.lora_slots import LoraLimits
+from tests.lora_adapters import adapter_for
 from tests.unit.conftest import make_hf_checkpoint
 from workers.modeling.synthetic import build_byte_tokenizer
 from workers.protocol import Coalescing, EngineRequest
@@ -65,6 +68,32 @@ def test_tp2_tokens_equal_tp1(ray_cluster, tmp_path, monkeypatch, family):
     sharded = asyncio.run(greedy_sharded(group))
     assert sharded == greedy_in_process(config)
     assert all(len(t) == STEPS for t in sharded)
+
+
+def test_rank0_screens_adapters_against_the_groups_slots(ray_cluster, tmp_path, monkeypatch):
+    """What a replica asks a TP group after a restart: which served adapters its slots refuse, and
+    why (the reason a load would give), answered by rank 0 without loading any."""
+    monkeypatch.setenv("GRAPHSERVE_CACHE", str(ray_cluster))
+    base = tmp_path / "base"
+    make_hf_checkpoint(base, "llama", seed=3)
+    build_byte_tokenizer().save_pretrained(base)
+    served = {
+        "fits": str(adapter_for(base, tmp_path / "fits", seed=1, r=4, target_modules=["q_proj", "v_proj"])),
+        "wide": str(adapter_for(base, tmp_path / "wide", seed=2, r=8, target_modules=["q_proj", "v_proj"])),
+        "gone": str(tmp_path / "nonexistent"),
+    }
+    lora = LoraLimits(max_loras=2, max_lora_rank=4)
+    config = EngineConfig(model=str(base), max_num_seqs=2, max_model_len=128, device="cpu", lora=lora)
+    group = ShardGroup(config, world_size=2, num_gpus=0, num_cpus=0.5, timeout_s=20)
+
+    async def screen():
+        await group.start()
+        return await group.screen_adapters(served)
+
+    refused = asyncio.run(asyncio.wait_for(screen(), timeout=120))
+    assert set(refused) == {"wide", "gone"}
+    assert refused["wide"] == "r: rank 8 is above max_lora_rank 4"
+    assert "no adapter_config.json" in refused["gone"]
 
 
 def test_dead_shard_is_noticed_and_nothing_hangs(ray_cluster, monkeypatch):
