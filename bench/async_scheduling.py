@@ -11,12 +11,12 @@ sync and async are the same engine with `async_scheduling` switched between runs
 measured sync, async, sync, async (`--rounds` pairs; the medians are reported) so a drift of the
 machine shows in both.
 
-    python bench/async_scheduling.py --configs 1b 8b --tokenizer .gpu/smollm2-tokenizer \\
+    python -m bench.async_scheduling --configs 1b 8b --tokenizer .gpu/smollm2-tokenizer \\
         --out bench/results/async_scheduling_h200.json
 
 A smoke run on a CPU (no graphs, no overlap: the numbers say nothing there):
 
-    python bench/async_scheduling.py --device cpu --configs 1b --batch-sizes 1 --steps 2 --warmup 1 \\
+    python -m bench.async_scheduling --device cpu --configs 1b --batch-sizes 1 --steps 2 --warmup 1 \\
         --max-model-len 256 --rounds 1 --out /tmp/async_scheduling_cpu.json
 """
 

@@ -3,7 +3,7 @@ inductor cache directory (`compile_cache_dir`), as a restarted replica with a ca
 volume would. Random weights of real shape; each start is a new Python process, so nothing is
 reused in memory, only what the directory holds.
 
-    python bench/compile_cache.py --config 1b --max-model-len 8192 --out bench/results/compile_cache_h200.json
+    python -m bench.compile_cache --config 1b --max-model-len 8192 --out bench/results/compile_cache_h200.json
 """
 
 from __future__ import annotations

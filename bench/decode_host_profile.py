@@ -7,12 +7,12 @@ which of its calls cost what, per step (cProfile's own cost inflates every Pytho
 compare the rows, not the absolute times with TPOT). Same engine as `async_scheduling.py`: compiled
 full graphs, a bucket per batch size, max_model_len 8192, random weights of real shape.
 
-    python bench/decode_host_profile.py --tokenizer .gpu/smollm2-tokenizer --batch-sizes 32 \\
+    python -m bench.decode_host_profile --tokenizer .gpu/smollm2-tokenizer --batch-sizes 32 \\
         --out bench/results/decode_host_profile_h100.txt
 
 A smoke run on a CPU (the step is computed on the host there, so the profile says nothing of a GPU's):
 
-    python bench/decode_host_profile.py --device cpu --batch-sizes 2 --steps 3 --max-model-len 256 \\
+    python -m bench.decode_host_profile --device cpu --batch-sizes 2 --steps 3 --max-model-len 256 \\
         --out /tmp/decode_host_profile_cpu.txt
 """
 

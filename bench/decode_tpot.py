@@ -5,7 +5,7 @@ decoding: building and copying the inputs, the model step, sampling, and the hos
 the tokens back. Random weights of real shapes (speed does not depend on the values); all timings
 of one invocation come from one process on one GPU, so compare them as ratios.
 
-    python bench/decode_tpot.py --configs 1b 8b --compile-configs 1b --hf --out bench/results/decode_h200.json
+    python -m bench.decode_tpot --configs 1b 8b --compile-configs 1b --hf --out bench/results/decode_h200.json
 
 With --max-model-len and --context it measures what a server configured for long contexts pays
 for short ones: for each max_model_len, each live context and each batch size, eager, full graphs
@@ -13,7 +13,7 @@ and full graphs + compile (--variants), the engine's default paged KV pool and a
 The contexts are written into the pool without running their prefill (decode speed does not depend
 on the KV values), so a context of 4096 at batch 128 costs no half-million-token prefill.
 
-    python bench/decode_tpot.py --configs 8b --max-model-len 512 8192 --context 256 4096 \
+    python -m bench.decode_tpot --configs 8b --max-model-len 512 8192 --context 256 4096 \
         --batch-sizes 1 8 32 64 128 256 --out bench/results/decode_long_context_8b_h200.json
 
 --context-mix adds batches whose rows have different live contexts (`mixed_contexts`: lognormal,
@@ -23,7 +23,7 @@ the batch's live KV) at the measured copy bandwidth. --merge-into adds the rows 
 of earlier runs (a row of the same config, max_model_len, context, batch size and variant is
 replaced) and rewrites its markdown table.
 
-    python bench/decode_tpot.py --configs 8b --max-model-len 8192 --variants full+compile --context \
+    python -m bench.decode_tpot --configs 8b --max-model-len 8192 --variants full+compile --context \
         --context-mix lognormal --batch-sizes 32 64 128 --out bench/results/decode_mixed_8b_lognormal_h200.json \
         --merge-into bench/results/decode_long_context_h200.json
 """

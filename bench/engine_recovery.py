@@ -9,8 +9,8 @@
    capture, verify), when a fresh request sent right after the kill is answered 200, and how every
    stream ended (an error event then [DONE], or complete; none may be cut off).
 
-    python bench/engine_recovery.py --config tiny --out bench/results/engine_recovery_cpu.json
-    python bench/engine_recovery.py --config 1b --out bench/results/engine_recovery_h200.json
+    python -m bench.engine_recovery --config tiny --out bench/results/engine_recovery_cpu.json
+    python -m bench.engine_recovery --config 1b --out bench/results/engine_recovery_h200.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ under cProfile. Each prints its import time, `LLMEngine.from_config`'s time and 
 the profiled one also its 70 costliest calls by cumulative time and 30 by own time. Compare with
 `startup.py`'s rows through the Serve app.
 
-    python bench/engine_start_profile.py > bench/results/engine_start_profile_h200.txt
+    python -m bench.engine_start_profile > bench/results/engine_start_profile_h200.txt
 """
 
 import cProfile

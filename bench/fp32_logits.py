@@ -2,7 +2,7 @@
 (`model.fp32_linear`), each captured in a CUDA graph and replayed, at the 8B shape (4096 -> 128256)
 and SmolLM2's (576 -> 49152). Compare the two as ratios within this run.
 
-    python bench/fp32_logits.py --out bench/results/fp32_logits_h200.json
+    python -m bench.fp32_logits --out bench/results/fp32_logits_h200.json
 """
 
 from __future__ import annotations

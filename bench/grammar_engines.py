@@ -13,7 +13,7 @@ thread pool (`LLExecutor`) or one row after another ("llguidance, serial").
 Needs all three packages (not graphserve's dependencies: only llguidance is), e.g.
 `pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi outlines-core==0.2.14` next to it:
 
-    python bench/grammar_engines.py --out bench/results/grammar_engines_cpu.json
+    python -m bench.grammar_engines --out bench/results/grammar_engines_cpu.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 max_model_len values compare rows of the same run where one run has both (the 1B), and of two
 runs minutes apart on the same machine otherwise (the 8B), which the table's header says.
 
-    PYTHONPATH=. python bench/long_context_report.py bench/results/decode_long_context_1b_h200.json \\
+    PYTHONPATH=. python -m bench.long_context_report bench/results/decode_long_context_1b_h200.json \\
         bench/results/decode_long_context_8b_8192_h200.json bench/results/decode_long_context_8b_512_h200.json \\
         --out bench/results/decode_long_context_h200
 """

@@ -10,7 +10,7 @@ unless set). Compare TPOT as ratios to the base engine within this run. Then the
 (slots, graphs) and adapter loads: the copy into a slot (the <= 50 ms target) and the whole load
 with the disk read and the verification probe.
 
-    python bench/lora_decode.py --config 8b --out bench/results/lora_decode_h200.json
+    python -m bench.lora_decode --config 8b --out bench/results/lora_decode_h200.json
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ allowed at once, and walks the token trie for the rest: inside a free string, or
 string's bound, that rest is small; with fewer characters left than a slice's bound, its tokens
 are walked too, and a string bounded at 12 walks most of the vocabulary at its every token.
 
-    python bench/mask_cost.py --tokenizer .gpu/smollm2-tokenizer --out bench/results/mask_cost_cpu.json
+    python -m bench.mask_cost --tokenizer .gpu/smollm2-tokenizer --out bench/results/mask_cost_cpu.json
 """
 
 from __future__ import annotations

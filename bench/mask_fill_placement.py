@@ -13,7 +13,7 @@ drift of the machine shows in every variant alike. A round's TPOT is the median 
 gives the median of the rounds and, for the fills on the step's thread, what the fill itself took
 (median and p90 of its steps): the fills of the real grammar states, not a snapshot.
 
-    python bench/mask_fill_placement.py --tokenizer .gpu/smollm2-tokenizer \\
+    python -m bench.mask_fill_placement --tokenizer .gpu/smollm2-tokenizer \\
         --out bench/results/mask_fill_placement_h200.json
 """
 

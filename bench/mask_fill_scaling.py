@@ -15,7 +15,7 @@ Variants, each on fresh rows from one seed (so they walk the same documents):
 - `llguidance, apart`: rows are matchers compiled apart (no state shared), the same fills;
 - `xgrammar` (when installed): its matchers, filled one after another.
 
-    python bench/mask_fill_scaling.py --out bench/results/mask_fill_scaling_cpu.json
+    python -m bench.mask_fill_scaling --out bench/results/mask_fill_scaling_cpu.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ to A (the engine freed, a new one started on A, then the gate), in one process. 
 (compile off: a compiled rebuild also compiles, see `compile_cache_h200.json`). The checkpoint
 files are read from the page cache after their first read, as on a replica whose node has them.
 
-    python bench/model_swap.py --configs 1b 8b --out bench/results/model_swap_h200.json
+    python -m bench.model_swap --configs 1b 8b --out bench/results/model_swap_h200.json
 """
 
 from __future__ import annotations

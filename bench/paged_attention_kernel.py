@@ -11,7 +11,7 @@ list's graph holds one plan and then the calls, as a decode step plans once for 
 per-call time includes 1/CALLS of a plan, and the plan alone is timed too. The sweep times the work
 list at half and twice its default items_per_kv_head.
 
-    PYTHONPATH=. python3 bench/paged_attention_kernel.py --shapes 8b \
+    PYTHONPATH=. python -m bench.paged_attention_kernel --shapes 8b \
         --out bench/results/paged_attention_kernel_8b_h200.json
 """
 

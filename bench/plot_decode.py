@@ -1,6 +1,6 @@
 """Plot TPOT per mode and batch size from a decode_tpot.py JSON (needs matplotlib: the `bench` extra).
 
-python bench/plot_decode.py bench/results/decode_h200.json bench/results/decode_h200.png
+python -m bench.plot_decode bench/results/decode_h200.json bench/results/decode_h200.png
 """
 
 import json

@@ -1,7 +1,7 @@
 """Plot served / engine-alone tokens/s per concurrency level from serve_load.py JSONs, one line per
 file and prompt kind (needs matplotlib: the `bench` extra).
 
-python bench/plot_serve_load.py bench/results/serve_load_h200.png bench/results/serve_load_baseline_h200.json \
+python -m bench.plot_serve_load bench/results/serve_load_h200.png bench/results/serve_load_baseline_h200.json \
     bench/results/serve_load_proxy_h200.json bench/results/serve_load_h200.json
 """
 

@@ -3,7 +3,7 @@ bf16 `generate` (sdpa and eager attention) when graphserve's prefill packs every
 variable-length flash-attention call (the CUDA default) and when it makes one SDPA call per prompt,
 on the prompts of `real_model_agreement.py`. A diagnostic, not a server option.
 
-    python bench/prefill_path_agreement.py --out bench/results/prefill_path_agreement_h200.json
+    python -m bench.prefill_path_agreement --out bench/results/prefill_path_agreement_h200.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ positions already in its pages, through `GraphRunner.prefill` with the rule of
 captured and verified), random bf16 weights of real shapes, one GPU. `rule` is what the engine
 picks for that call.
 
-    python bench/prefill_rows.py --configs 1b 8b --out bench/results/prefill_rows_h200.json
+    python -m bench.prefill_rows --configs 1b 8b --out bench/results/prefill_rows_h200.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ that total length is new to the process, then once more. Phase `cold` builds the
 warm-up (136-token prompts); then the warm-up runs (timed), and phase `warmed` repeats the waves
 with 137-token prompts, so every total length is new again.
 
-    python bench/prefill_shapes.py --out bench/results/prefill_shapes_h200.json
+    python -m bench.prefill_shapes --out bench/results/prefill_shapes_h200.json
 """
 
 from __future__ import annotations

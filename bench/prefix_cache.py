@@ -16,8 +16,8 @@ compare with the paged kernel the engine picks for a few tokens over a long one
 (`policies/cached_prefill.py`). Random weights of real shapes
 (`1b`, `8b`; `tiny`: the embedded tiny model's shape), in-process, one GPU.
 
-    python bench/prefix_cache.py --configs 1b 8b --out bench/results/prefix_cache_h200.json
-    python bench/prefix_cache.py --configs tiny --device cpu --repeats 2 --out /tmp/prefix_cache_cpu.json
+    python -m bench.prefix_cache --configs 1b 8b --out bench/results/prefix_cache_h200.json
+    python -m bench.prefix_cache --configs tiny --device cpu --repeats 2 --out /tmp/prefix_cache_cpu.json
 """
 
 from __future__ import annotations

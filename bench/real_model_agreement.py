@@ -6,7 +6,7 @@ each other: rounded to bf16, a real model's logits tie or nearly tie now and the
 implementations part at such a token. Reports per prompt the tokens each pair shares before they
 part, and whether the whole answers are equal.
 
-    python bench/real_model_agreement.py --device cpu --out bench/results/real_model_agreement_cpu.json
+    python -m bench.real_model_agreement --device cpu --out bench/results/real_model_agreement_cpu.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ text), sampling with a 20-token logit_bias, sampling with logprobs (top 20), and
 step is one `sample()` call as the engine makes it, its host copy of the tokens (and logprobs)
 included; on CUDA each step is timed between synchronizations. Medians, and ratios to greedy.
 
-    python bench/sampling_cost.py --device cuda --out bench/results/sampling_cost_h200.json
+    python -m bench.sampling_cost --device cuda --out bench/results/sampling_cost_h200.json
 """
 
 from __future__ import annotations

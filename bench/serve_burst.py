@@ -5,7 +5,7 @@ Runs on any machine (the embedded tiny model; captured graphs where there is a G
 request path, not the engine: with the tiny model a step is cheap, so what a burst waits for is
 the client, the proxy, the ingress, the replica and the controller look-ups on the way.
 
-    python bench/serve_burst.py --out bench/results/serve_burst_cpu.json
+    python -m bench.serve_burst --out bench/results/serve_burst_cpu.json
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 no proxy hop (the ingress replica serves HTTP itself), gRPC between deployments, user code on the
 replica's main loop); the request logs then stay unbuffered so the stage times still come back.
 
-    python bench/serve_e2e.py --out bench/results/serve_e2e_h200.json
+    python -m bench.serve_e2e --out bench/results/serve_e2e_h200.json
 """
 
 from __future__ import annotations

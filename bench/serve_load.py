@@ -23,8 +23,8 @@ to each ingress replica's own HTTP server (direct ingress), not to Serve's proxy
 Ray also runs with `RAY_SERVE_ENABLE_HA_PROXY=1`: HAProxy takes port 8000 in place of Serve's
 Python proxy and forwards to the ingress replicas' own servers, and the clients send to port 8000.
 
-    python bench/serve_load.py --config 1b --out bench/results/serve_load_h200.json
-    python bench/serve_load.py --config tiny --device cpu --streams 64 --prompts short --out /tmp/smoke.json
+    python -m bench.serve_load --config 1b --out bench/results/serve_load_h200.json
+    python -m bench.serve_load --config tiny --device cpu --streams 64 --prompts short --out /tmp/smoke.json
 """
 
 from __future__ import annotations

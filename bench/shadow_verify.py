@@ -8,7 +8,7 @@ captured bucket's replay and the wall time until the bucket is withdrawn is meas
 weights of real shapes, max_model_len 2048, context 256, plain graphs (compile off: the eager
 recomputation is the costly one).
 
-    python bench/shadow_verify.py --configs 1b 8b --out bench/results/shadow_verify_h200.json
+    python -m bench.shadow_verify --configs 1b 8b --out bench/results/shadow_verify_h200.json
 """
 
 from __future__ import annotations

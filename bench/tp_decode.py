@@ -7,7 +7,7 @@ serving path of `workers/front/shard_worker.py`, without Ray around it). Random 
 Control cost is the host time rank 0 spends in `StepChannel.send` per step (the header and inputs
 broadcast before each replay); TP = 1 runs without a channel, as a TP = 1 replica does.
 
-    python bench/tp_decode.py --out bench/results/tp_decode_h200x2.json
+    python -m bench.tp_decode --out bench/results/tp_decode_h200x2.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ without the step channel: with it, rank 0 broadcasts each step's header and inpu
 one-rank) NCCL group before replaying, exactly as it does for followers at TP > 1. The difference in
 TPOT is the control overhead per step.
 
-    python bench/tp_overhead.py --out bench/results/tp_overhead_h200.json
+    python -m bench.tp_overhead --out bench/results/tp_overhead_h200.json
 """
 
 from __future__ import annotations

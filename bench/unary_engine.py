@@ -9,8 +9,8 @@ buckets 1..256, compiled graphs. A timed round, then the same round under cProfi
 functions (own time, cumulative time), beside the JSON as `<name>_profile.txt`, says where a
 request's host time goes.
 
-    python bench/unary_engine.py --config 1b --out bench/results/unary_engine_h100.json
-    python bench/unary_engine.py --config tiny --device cpu --seconds 2 --out /tmp/unary_engine_cpu.json
+    python -m bench.unary_engine --config 1b --out bench/results/unary_engine_h100.json
+    python -m bench.unary_engine --config tiny --device cpu --seconds 2 --out /tmp/unary_engine_cpu.json
 """
 
 from __future__ import annotations
