@@ -5,9 +5,7 @@ vocabulary, as a padded one is."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import sys
 import threading
 import time
 from typing import Literal
@@ -525,28 +523,6 @@ def test_a_fill_ahead_in_the_fillers_thread_fills_what_a_fill_now_does(compiler)
     ahead.start([(g.matcher, r) for g, r in zip(grammars, rows)], b)
     ahead.wait()
     assert torch.equal(a, b) and not a[[3, 5, 7]].any() and a[rows].any(dim=1).all()
-
-
-def test_a_fill_ahead_runs_while_the_caller_keeps_the_interpreter_busy(compiler):
-    """`start` hands its job to the fill thread: the masks are written while the step loop runs
-    Python that never blocks. The interpreter's forced switch is put out of reach, so a job merely
-    queued would wait for the caller to block (the fill would never overlap the step)."""
-    grammar = person(compiler)
-    bitmask = torch.zeros(1, grammar.words, dtype=torch.int32)
-    words = (ctypes.c_int32 * grammar.words).from_address(bitmask.data_ptr())  # read holding the lock
-    filler = MaskFiller()
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(60.0)
-    try:
-        filler.start([(grammar.matcher, 0)], bitmask)
-        deadline = time.perf_counter() + 5.0
-        while not (written := any(words)) and time.perf_counter() < deadline:
-            pass
-    finally:
-        sys.setswitchinterval(interval)
-        filler.wait()
-    assert written, "the fill did not run while the caller held the interpreter lock"
-    assert texts(allowed(grammar)) == {"{"}
 
 
 def test_a_fill_ahead_that_fails_raises_where_it_is_waited_for(compiler):

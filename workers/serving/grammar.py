@@ -254,16 +254,13 @@ class MaskFiller:
         self._pid = os.getpid()  # a forked child has neither the fill thread nor the executor's
         self._jobs: queue.SimpleQueue | None = None  # to the fill thread, started by the first `start`
         self._done = threading.Lock()  # held while a fill runs in the thread
-        self._taken = threading.Semaphore(0)  # released by the fill thread as it starts a job
         self._outcome: list[BaseException] = []  # what it raised
         self._seconds: list[float] = [0.0]  # how long it took, written by the fill thread
         self._pending = False
 
     @property
     def last_fill_s(self) -> float:
-        """How long the last fill ahead that ended took, to its thread's return: an upper bound, as
-        the thread takes the interpreter lock back to return, and a step loop that holds it (Python
-        that never blocks) keeps the thread waiting."""
+        """How long the last fill ahead that ended took."""
         return self._seconds[0]
 
     @property
@@ -286,14 +283,8 @@ class MaskFiller:
 
     def start(self, pairs: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> None:
         """In the fill thread, row r of `bitmask` gets matcher m's allowed tokens for each (m, r) of
-        `pairs` (in lineage order: the pool gives each thread a run of neighbours); returns as soon
-        as the fill thread has started it (after any fill still running).
-
-        Started, not queued: a thread woken by the queue needs the interpreter lock to take the job,
-        and the step loop's Python holds it until it blocks or the interpreter's switch interval
-        (5 ms) runs out, so a job merely queued began only when the step waited for it and the fill
-        never overlapped the step (`bench/fill_overlap.py`). Waiting for the thread to take the
-        job hands it the lock once; it holds it only until llguidance drops it for the fill."""
+        `pairs` (in lineage order: the pool gives each thread a run of neighbours); returns at once
+        (after any fill still running)."""
         self.wait()
         executor = self.executor
         if self._jobs is None:
@@ -302,8 +293,7 @@ class MaskFiller:
             weakref.finalize(self, self._jobs.put, None)  # the thread ends with its filler
         self._done.acquire()
         self._pending = True
-        self._jobs.put((executor, pairs, bitmask, self._done, self._taken, self._outcome, self._seconds))
-        self._taken.acquire()
+        self._jobs.put((executor, pairs, bitmask, self._done, self._outcome, self._seconds))
 
     def wait(self) -> None:
         """Until the fill started last has ended; raises what it raised."""
@@ -329,11 +319,9 @@ def _run_fill(
     pairs: list,
     bitmask: torch.Tensor,
     done: threading.Lock,
-    taken: threading.Semaphore,
     outcome: list,
     seconds: list[float],
 ) -> None:
-    taken.release()
     start = time.perf_counter()
     try:
         executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
