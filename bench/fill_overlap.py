@@ -62,9 +62,15 @@ WORKS = {"python": python_work, "torch": torch_work, "mixed": mixed_work}
 
 
 def batch(tokenizer, rows: int) -> list:
-    """`rows` grammars of the record array, row i after the document's first 1 + i * step tokens."""
+    """`rows` grammars of the record array, row i after the document's first 1 + i * step tokens,
+    copied from the schema's every lineage as a serving engine's are (copies of one lineage share its
+    parser's lock, and the pool would fill them one after another)."""
     compiler = GrammarCompiler(tokenizer, (tokenizer.eos_token_id,), len(tokenizer))
     compiled = compiler.compile(canonical_schema(record_array(12))).result()
+    deadline = time.monotonic() + 60
+    while len(compiled.matchers) < grammar_module.LINEAGES and time.monotonic() < deadline:
+        time.sleep(0.01)
+    compiler.close()
     tokens = tokenizer.encode(open_array(RECORDS), add_special_tokens=False)
     step = max(1, (len(tokens) - 1) // rows)
     grammars = []
