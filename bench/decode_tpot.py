@@ -101,15 +101,20 @@ def engine_tpot(engine: LLMEngine, batch_size: int, steps: int, warmup: int, den
 
 
 def timed_steps(engine: LLMEngine, seqs: list, steps: int, warmup: int) -> list[float]:
-    """Wall times (ms) of `steps` engine steps after `warmup` untimed ones; then the sequences end."""
-    times = []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    """Wall times (ms) between the returns of `steps` engine steps run back to back, as a replica
+    runs them, after `warmup` untimed ones; then the sequences end. Not one step between device
+    synchronizations: with async scheduling a step returns once it has launched, so that timed the
+    launch alone (the host waits for a step's tokens in the step after it)."""
+    for _ in range(warmup):
         engine.step()
-        t1 = time.perf_counter()
-        if i >= warmup:
-            times.append((t1 - t0) * 1e3)
+    times = []
+    last = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+        now = time.perf_counter()
+        times.append((now - last) * 1e3)
+        last = now
+    torch.cuda.synchronize()
     for seq in seqs:
         engine.abort(seq.request_id)
     return times

@@ -9,7 +9,9 @@ reads its own pages, consecutive slices of one random permutation of the pool, s
 previous call's keys in L2, as in a real decode step where the other layers run between. The work
 list's graph holds one plan and then the calls, as a decode step plans once for all its layers: its
 per-call time includes 1/CALLS of a plan, and the plan alone is timed too. The sweep times the work
-list at half and twice its default items_per_kv_head.
+list at half and twice its default items_per_kv_head. `--baseline FILE` times an earlier
+`workers/kv/paged_attention.py` (saved with `git show REV:workers/kv/paged_attention.py > FILE`) on
+the same batches in the same graphs, so a change to the plan or the kernel is compared within one run.
 
     PYTHONPATH=. python -m bench.paged_attention_kernel --shapes 8b \
         --out bench/results/paged_attention_kernel_8b_h200.json
@@ -18,9 +20,11 @@ list at half and twice its default items_per_kv_head.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,13 +33,13 @@ import triton
 import triton.language as tl
 
 from bench.decode_tpot import mixed_contexts
+from workers.kv import paged_attention
 from workers.kv.paged_attention import (
     LOG2E,
     NO_WINDOW,
     WorkConfig,
     default_config,
     paged_decode_reference,
-    run_attention,
     run_plan,
 )
 
@@ -232,13 +236,13 @@ class Point:
     def args(self, i: int) -> tuple:
         return self.q, self.k_pages, self.v_pages, self.tables[i], self.slot_ids
 
-    def work_list(self, config: WorkConfig) -> Callable[[], object]:
-        """One plan, then CALLS attention calls reading it."""
+    def work_list(self, config, kernels=paged_attention) -> Callable[[], object]:
+        """One plan, then CALLS attention calls reading it (of `kernels`: this module or a baseline's)."""
 
         def run() -> None:
-            plan = run_plan(self.lengths, None, config)
+            plan = kernels.run_plan(self.lengths, None, config)
             for i in range(CALLS):
-                run_attention(*self.args(i), plan, config)
+                kernels.run_attention(*self.args(i), plan, config)
 
         return run
 
@@ -263,9 +267,18 @@ def points() -> list[tuple[str, int, list[int]]]:
     return uniform + [(mix, b, mixed_contexts(mix, b)) for mix in MIXES for b in MIXED_BATCHES]
 
 
-def measure(timer: Timer, shape: tuple[int, int, int], pool, mix: str, lengths: list[int]) -> dict:
-    """The work list (default config) against the replaced scheme at one batch, and the reference
-    for uniform batches."""
+def load_baseline(path: str):
+    """An earlier paged_attention.py, imported from its file as a module of its own."""
+    spec = importlib.util.spec_from_file_location("baseline_paged_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(timer: Timer, shape: tuple[int, int, int], pool, mix: str, lengths: list[int], baseline=None) -> dict:
+    """The work list (default config) against the replaced scheme at one batch (and against a
+    baseline module's work list, if given), and the reference for uniform batches."""
     heads, kv_heads, dim = shape
     device = torch.device("cuda")
     point = Point(pool, heads, lengths, seed=len(lengths) * 10_000 + sum(lengths) % 10_000)
@@ -283,6 +296,10 @@ def measure(timer: Timer, shape: tuple[int, int, int], pool, mix: str, lengths: 
         "legacy_us": timer.per_call_us(point.legacy(splits), CALLS, 10),
         "live_kv_bytes": point.live_bytes,
     }
+    if baseline is not None:
+        old = baseline.default_config(kv_heads, dim, device)
+        row["baseline_us"] = timer.per_call_us(point.work_list(old, baseline), CALLS, 10)
+        row["speedup_vs_baseline"] = row["baseline_us"] / row["work_list_us"]
     row["speedup_vs_legacy"] = row["legacy_us"] / row["work_list_us"]
     row["work_list_gb_s"] = point.live_bytes / row["work_list_us"] / 1e3
     row["legacy_gb_s"] = point.live_bytes / row["legacy_us"] / 1e3
@@ -319,21 +336,35 @@ def sweep(timer: Timer, shape: tuple[int, int, int], pool) -> list[dict]:
 
 def markdown(results: dict) -> str:
     lines = []
+    baseline = any("baseline_us" in r for r in results["table"])
     for name in sorted({r["shape"] for r in results["table"]}):
         lines += [
             f"## {name}",
             "",
-            "| batch | mix | mean context | legacy splits | legacy (us) | work list (us) | x legacy | work list GB/s "
-            "| plan (us) | reference (us) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| batch | mix | mean context | legacy splits | legacy (us) |"
+            + (" baseline (us) |" if baseline else "")
+            + " work list (us) | x legacy |"
+            + (" x baseline |" if baseline else "")
+            + " work list GB/s | plan (us) | reference (us) |",
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if baseline else ""),
         ]
         for r in (r for r in results["table"] if r["shape"] == name):
             reference = f"{r['reference_us']:.1f}" if "reference_us" in r else "-"
-            lines.append(
-                f"| {r['batch']} | {r['mix']} | {r['context_mean']:.0f} | {r['legacy_num_splits']} | "
-                f"{r['legacy_us']:.1f} | {r['work_list_us']:.1f} | {r['speedup_vs_legacy']:.2f} | "
-                f"{r['work_list_gb_s']:.0f} | {r['plan_us']:.1f} | {reference} |"
-            )
+            cells = [
+                r["batch"],
+                r["mix"],
+                f"{r['context_mean']:.0f}",
+                r["legacy_num_splits"],
+                f"{r['legacy_us']:.1f}",
+                *([f"{r['baseline_us']:.1f}"] if baseline else []),
+                f"{r['work_list_us']:.1f}",
+                f"{r['speedup_vs_legacy']:.2f}",
+                *([f"{r['speedup_vs_baseline']:.2f}"] if baseline else []),
+                f"{r['work_list_gb_s']:.0f}",
+                f"{r['plan_us']:.1f}",
+                reference,
+            ]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -343,7 +374,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--baseline", help="an earlier workers/kv/paged_attention.py to time beside this one")
     args = ap.parse_args()
+    baseline = None if args.baseline is None else load_baseline(args.baseline)
     timer = Timer()
     meta = {
         "device": torch.cuda.get_device_name(),
@@ -359,7 +392,7 @@ def main() -> None:
         shape = SHAPES[name]
         pool = make_pool(*shape[1:])
         for mix, _, lengths in points():
-            row = {"shape": name, **measure(timer, shape, pool, mix, lengths)}
+            row = {"shape": name, **measure(timer, shape, pool, mix, lengths, baseline)}
             print(json.dumps(row), flush=True)
             results["table"].append(row)
             Path(args.out).write_text(json.dumps(results, indent=1))
