@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from tests.paged_decode_cases import assert_matches, cdiv, decode, make_case  # noqa: E402
-from workers.kv.paged_attention import MERGE_BLOCK, NO_WINDOW, WorkConfig, max_items, run_plan  # noqa: E402
+from workers.kv.paged_attention import MERGE_BLOCK, NO_WINDOW, SLACK, WorkConfig, max_items, run_plan  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_the_interpreter's child")
@@ -107,8 +107,9 @@ def test_one_key_too_many_would_show():
 
 def check_plan(lengths: list[int], window: int | None, config: WorkConfig) -> None:
     """The plan of one batch: each row's live range [len - span, len) is cut into consecutive nonempty
-    items of whole blocks (but the last), their sizes within a block of each other and under 1.5 C
-    plus a block; items are listed by tokens per chunk, longest first; the unused slots say -1."""
+    items of whole blocks (but the last), span / C of them rounded up unless the row is at most
+    1/SLACK over a multiple of C, their sizes within a block of each other and at most (1 + 1/SLACK)
+    C plus a block; items are listed by tokens per chunk, longest first; the unused slots say -1."""
     items, row_chunks = (t.tolist() for t in run_plan(torch.tensor(lengths), window, config))
     block = config.block_n
     spans = [min(n, window or NO_WINDOW) for n in lengths]
@@ -118,12 +119,13 @@ def check_plan(lengths: list[int], window: int | None, config: WorkConfig) -> No
     assert all(row == -1 for row, _, _ in items[used:])
     for row, (n, span) in enumerate(zip(lengths, spans)):
         first, count = row_chunks[row]
+        assert count == max(1, cdiv(SLACK * span - chunk, SLACK * chunk))
         mine = items[first : first + count]
         assert count >= 1 and all(r == row for r, _, _ in mine)
         bounds = [n - span] + [hi for _, _, hi in mine]
         assert [lo for _, lo, _ in mine] == bounds[:-1] and bounds[-1] == n
         sizes = [hi - lo for _, lo, hi in mine]
-        assert min(sizes) > 0 and max(sizes) - min(sizes) <= block and max(sizes) < 1.5 * chunk + block
+        assert min(sizes) > 0 and max(sizes) - min(sizes) <= block and max(sizes) <= (1 + 1 / SLACK) * chunk + block
         assert all((lo - (n - span)) % block == 0 for _, lo, _ in mine)
     per_chunk = [cdiv(spans[row], row_chunks[row][1]) for row, _, _ in items[:used]]
     assert per_chunk == sorted(per_chunk, reverse=True)

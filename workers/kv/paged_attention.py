@@ -9,10 +9,14 @@ lengths (32 to 6,000 tokens) decoded at 2.1x its floor on the 8B. Here the batch
 are cut into chunks of one size, so every work item reads about the same bytes whatever its row:
 - `_plan_kernel` (one program, once per decode step; every layer reuses its plan) sums the rows' live
   spans (the last W keys with a sliding window), sets the chunk size C = total / items_per_kv_head
-  rounded up to a multiple of BLOCK_N, and gives each row span / C chunks, rounded to the nearest
-  count but at least one, its BLOCK_N-token blocks dealt out evenly among them. Items are listed
-  longest first (rows sorted by tokens per chunk): programs start in grid order, so the big items
-  start first and the small ones fill in at the end.
+  rounded up to a multiple of BLOCK_N, and gives each row span / C chunks, rounded up but for a
+  row at most 1/SLACK longer than a multiple of C (at least one), its BLOCK_N-token blocks dealt
+  out evenly among them. Items are listed longest first (rows sorted by tokens per chunk): programs
+  start in grid order, so the big items start first and the small ones fill in at the end.
+  Rounded to the nearest count, as this plan first did, a row of up to 1.5 C was one item, and on
+  a log-normal mix those items set the call (`paged_attention_plan_h100.md`); rounded up outright,
+  a uniform batch whose rows are a block over C (64 rows of 4096 on the 8B: C = 4032) would be cut
+  in two.
 - `_attention_kernel`, grid (kv_heads, max items): one program per (KV head, item) runs an online
   softmax over the item's keys, serving the KV head's whole query group as one tile so K/V are read
   once. A row of one item writes its output directly; the others write partials indexed by item.
@@ -58,6 +62,7 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window longer than any sequence: the kernels take an int, not None
 PROGRAMS_PER_SM = 4  # work items per SM at head_dim 128 (over all KV heads); twice as many at 64
 MERGE_BLOCK = 32  # partials the merge reads at a time
+SLACK = 8  # a row is cut once it is more than 1/SLACK longer than the chunk size
 ROW_BITS = 16  # the plan sorts (chunk size << ROW_BITS | row) keys: rows must fit these bits
 
 Plan = tuple[torch.Tensor, torch.Tensor]  # items (max_items, 3): row, lo, hi; row_chunks (rows, 2): first, count
@@ -108,6 +113,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         ROWS_PAD: tl.constexpr,
         ROW_BITS: tl.constexpr,
+        SLACK: tl.constexpr,
     ):
         """One program: the chunk size from the batch's total live span, each row's chunk count and
         first item (rows sorted by chunk size, longest first), every item's (row, lo, hi), and -1 as
@@ -116,14 +122,14 @@ if triton is not None:
         live = tl.load(len_ptr + r, mask=r < rows, other=0).to(tl.int32)
         span = tl.minimum(live, window)
         chunk = tl.cdiv(tl.cdiv(tl.sum(span, 0), target), BLOCK_N) * BLOCK_N
-        count = tl.maximum((2 * span + chunk) // (2 * chunk), 1)  # span / chunk, rounded to nearest
+        count = tl.maximum(tl.cdiv(SLACK * span - chunk, SLACK * chunk), 1)  # span / chunk, 1 / SLACK over cut
         key = tl.where(r < rows, (tl.cdiv(span, count).to(tl.int64) << ROW_BITS) | r, -1)
         key = tl.sort(key, descending=True)
         valid = key >= 0
         row = tl.where(valid, key & ((1 << ROW_BITS) - 1), 0).to(tl.int32)
         live = tl.load(len_ptr + row, mask=valid, other=0).to(tl.int32)
         span = tl.minimum(live, window)
-        count = tl.where(valid, tl.maximum((2 * span + chunk) // (2 * chunk), 1), 0)
+        count = tl.where(valid, tl.maximum(tl.cdiv(SLACK * span - chunk, SLACK * chunk), 1), 0)
         first = tl.cumsum(count, 0) - count
         tl.store(chunks_ptr + row * 2, first, mask=valid)
         tl.store(chunks_ptr + row * 2 + 1, count, mask=valid)
@@ -267,6 +273,7 @@ def run_plan(lengths: torch.Tensor, window: int | None, config: WorkConfig) -> P
         BLOCK_N=config.block_n,
         ROWS_PAD=max(16, triton.next_power_of_2(rows)),
         ROW_BITS=ROW_BITS,
+        SLACK=SLACK,
     )
     return items, row_chunks
 
