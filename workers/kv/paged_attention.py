@@ -122,7 +122,7 @@ if triton is not None:
         live = tl.load(len_ptr + r, mask=r < rows, other=0).to(tl.int32)
         span = tl.minimum(live, window)
         chunk = tl.cdiv(tl.cdiv(tl.sum(span, 0), target), BLOCK_N) * BLOCK_N
-        count = tl.maximum(tl.cdiv(SLACK * span - chunk, SLACK * chunk), 1)  # span / chunk, 1 / SLACK over cut
+        count = tl.maximum(tl.cdiv(SLACK * span - chunk, SLACK * chunk), 1)  # ceil(span / chunk - 1 / SLACK)
         key = tl.where(r < rows, (tl.cdiv(span, count).to(tl.int64) << ROW_BITS) | r, -1)
         key = tl.sort(key, descending=True)
         valid = key >= 0
