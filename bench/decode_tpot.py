@@ -3,8 +3,9 @@
 TPOT here is the wall time between consecutive engine steps of a batch that is only decoding, the
 steps run back to back as a replica runs them: building and copying the inputs, the model step,
 sampling, and reading the tokens back, with async scheduling (the default) the host's work on one
-step overlapping the device's on the next. Random weights of real shapes (speed does not depend on the values); all timings
-of one invocation come from one process on one GPU, so compare them as ratios.
+step overlapping the device's on the next. Random weights of real shapes (speed does not depend on
+the values); all timings of one invocation come from one process on one GPU, so compare them as
+ratios.
 
     python -m bench.decode_tpot --configs 1b 8b --compile-configs 1b --hf --out bench/results/decode_h200.json
 
