@@ -333,6 +333,9 @@ class Ingress:
         self._registered: dict[str, dict] = {}  # adapters registered through the admin API, as last read
         self._refused: dict[str, dict] = {}  # adapters the replicas refuse (`lora_refusals`), as last read
         self._registered_at = -math.inf
+        self._reads = 0  # reads of the registry begun
+        self._read_held = 0  # the read whose answer `_registered` holds (reads may end out of order)
+        self._changed_at_read = 0  # reads begun when this ingress last added or removed an adapter
         self._shadowed_logged = False  # a registered adapter the served model's name shadows was logged
         self._sequences = 0  # sequences of the requests this ingress has under way (n each)
         if self.config.cors_allowed_origins:  # before Serve starts the app, which builds its middleware then
@@ -353,12 +356,18 @@ class Ingress:
             return {}
         now = asyncio.get_running_loop().time()
         if now - self._registered_at > self.config.toggle_poll_s:
+            self._reads += 1
+            read = self._reads
             try:
-                self._registered = await self.controller.call(GraphController.get_lora_adapters)
-                self._refused = await self.controller.call(GraphController.lora_refusals)
-                self._registered_at = now
+                registered = await self.controller.call(GraphController.get_lora_adapters)
+                refused = await self.controller.call(GraphController.lora_refusals)
             except ControllerUnavailable:
                 log.warning("the controller did not answer; serving the adapters it last listed")
+            else:
+                if read > self._read_held:  # an older answer never replaces a newer one
+                    self._registered, self._refused, self._read_held = registered, refused, read
+                if read > self._changed_at_read:  # begun after this ingress's last change: current
+                    self._registered_at = now
         if self.model_name in self._registered and not self._shadowed_logged:
             self._shadowed_logged = True
             log.warning(
@@ -902,8 +911,17 @@ class Ingress:
         )
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=409)
-        self._registered_at = -math.inf  # the next request reads the registry again
+        self._registry_changed()
         return JSONResponse({**result, "checked_by": check}, status_code=201)
+
+    def _registry_changed(self) -> None:
+        """An adapter was added or removed through this ingress: the next request reads the registry
+        again, and a read begun before (a request's, still awaiting the controller) may hold the
+        registry as it was, so its answer is not taken as current. Without this, such a read
+        ending after an add put the old registry back for toggle_poll_s: the added adapter was a
+        404 right after its 201."""
+        self._registered_at = -math.inf
+        self._changed_at_read = self._reads
 
     async def _checked_adapter(self, name: str, path: str) -> dict:
         """A replica's check of the adapter (`LLMReplica.check_adapter`). A replica in its turn of a
@@ -940,7 +958,7 @@ class Ingress:
         result = await self.controller.call(GraphController.remove_lora_adapter, name, request.state.operator)
         if "error" in result:
             return JSONResponse({"detail": result["error"]}, status_code=result["status"])
-        self._registered_at = -math.inf
+        self._registry_changed()
         return JSONResponse(result)
 
     @api.get("/admin/audit")

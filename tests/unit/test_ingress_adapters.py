@@ -19,8 +19,8 @@ REGISTERED = {
 }
 
 
-def ingress(model_name: str, lora_modules: dict[str, str]) -> SimpleNamespace:
-    async def call(method, *args):
+def ingress(model_name: str, lora_modules: dict[str, str], call=None) -> SimpleNamespace:
+    async def registry(method, *args):
         return {"get_lora_adapters": REGISTERED, "lora_refusals": {}}[method.__name__]
 
     config = AppConfig.from_args(
@@ -29,12 +29,16 @@ def ingress(model_name: str, lora_modules: dict[str, str]) -> SimpleNamespace:
     fake = SimpleNamespace(
         config=config,
         model_name=model_name,
-        controller=SimpleNamespace(call=call),
+        controller=SimpleNamespace(call=call or registry),
         _registered={},
         _registered_at=-math.inf,
+        _reads=0,
+        _read_held=0,
+        _changed_at_read=0,
         _shadowed_logged=False,
     )
     fake._adapters = Ingress._adapters.__get__(fake)
+    fake._registry_changed = Ingress._registry_changed.__get__(fake)
     return fake
 
 
@@ -55,3 +59,35 @@ def test_an_admin_adapter_with_the_served_models_name_is_not_served_under_it(cap
 def test_the_configs_adapter_wins_over_an_admin_one_of_its_name():
     served = asyncio.run(ingress("base", {"sql": "/adapters/sql-config"})._adapters())
     assert served == {"foo": "/adapters/foo", "sql": "/adapters/sql-config", "chat": "/adapters/chat"}
+
+
+def test_a_read_begun_before_an_add_does_not_hide_the_added_adapter():
+    """A request's read of the registry, begun before an admin add and ending after it, held the
+    old registry as current: the added adapter was a 404 right after its 201 (seen in CI under
+    load). Here that read ends last, after a newer one: the newer answer stays, and stays current."""
+    before, after = {"foo": REGISTERED["foo"]}, {**REGISTERED}
+    registry, release, stalled = [before], asyncio.Event(), []
+
+    async def call(method, *args):
+        if method.__name__ == "lora_refusals":
+            return {}
+        answer = registry[0]
+        if not stalled:  # the first read: it waits, holding the registry as it was when it asked
+            stalled.append(True)
+            await release.wait()
+        return answer
+
+    async def scenario() -> tuple[dict, dict]:
+        fake = ingress("base", {}, call)
+        old_read = asyncio.create_task(fake._adapters())
+        await asyncio.sleep(0)  # it has asked
+        registry[0] = after  # the add, through this ingress
+        fake._registry_changed()
+        fresh = await fake._adapters()
+        release.set()
+        await old_read
+        return fresh, await fake._adapters()
+
+    fresh, later = asyncio.run(scenario())
+    assert "sql" in fresh and "chat" in fresh
+    assert later == fresh
