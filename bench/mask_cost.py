@@ -31,7 +31,7 @@ import torch
 
 from bench.json_schemas import DOCUMENTS
 from bench.report import write_report
-from bench.structured_output import BENCH_SCHEMA, RECORD, load_tokenizer
+from bench.structured_output import RECORD, array_of, load_tokenizer
 from workers.serving import grammar as grammar_module
 from workers.serving.grammar import GrammarCompiler
 from workers.serving.json_schema import canonical_schema
@@ -48,7 +48,7 @@ def record_array(max_length: int | None) -> dict:
     """The structured-output benchmark's schema, its `name` string bounded by `max_length` (or not)."""
     name = {"type": "string"} if max_length is None else {"type": "string", "maxLength": max_length}
     items = {**RECORD, "properties": {**RECORD["properties"], "name": name}}
-    return {**BENCH_SCHEMA, "items": items}
+    return array_of(items)
 
 
 def open_array(records: list[dict]) -> str:

@@ -27,6 +27,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
@@ -236,8 +237,9 @@ class Point:
     def args(self, i: int) -> tuple:
         return self.q, self.k_pages, self.v_pages, self.tables[i], self.slot_ids
 
-    def work_list(self, config, kernels=paged_attention) -> Callable[[], object]:
-        """One plan, then CALLS attention calls reading it (of `kernels`: this module or a baseline's)."""
+    def work_list(self, config: WorkConfig, kernels: ModuleType = paged_attention) -> Callable[[], object]:
+        """One plan, then CALLS attention calls reading it (of `kernels`: this module or a baseline's,
+        with that module's config)."""
 
         def run() -> None:
             plan = kernels.run_plan(self.lengths, None, config)
@@ -267,7 +269,7 @@ def points() -> list[tuple[str, int, list[int]]]:
     return uniform + [(mix, b, mixed_contexts(mix, b)) for mix in MIXES for b in MIXED_BATCHES]
 
 
-def load_baseline(path: str):
+def load_baseline(path: str) -> ModuleType:
     """An earlier paged_attention.py, imported from its file as a module of its own."""
     spec = importlib.util.spec_from_file_location("baseline_paged_attention", path)
     module = importlib.util.module_from_spec(spec)

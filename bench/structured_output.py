@@ -10,12 +10,11 @@ leaves the batch: by default (`--schema records`) records of strings, integers, 
 whose `name` is bounded at 12 characters, the costly case (a mask near a string's bound walks most
 of the vocabulary: `bench/mask_cost.py`); or of one of `bench/json_schemas.py`'s schemas, what
 clients send for pydantic models (`--schema nested`: an order with a customer, an address, a list
-of items and an enum). TPOT is the
-median wall time between consecutive engine steps run back to back with no device synchronization
-(as a replica runs them: async scheduling on, one step launched before the last one's tokens are
-read), so what the host adds shows where the device would hide it; the overhead is constrained over
-free: each the median of `--rounds` rounds' median steps, the free and the constrained batch
-measured in turn so that a drift of the machine shows in both. Beside it, two host costs of a
+of items and an enum). TPOT is the median wall time between consecutive engine steps run back to
+back with no device synchronization (as a replica runs them: async scheduling on, one step launched
+before the last one's tokens are read), so what the host adds shows where the device would hide it;
+the overhead is constrained over free: each the median of `--rounds` rounds' median steps, the free
+and the constrained batch measured in turn so that a drift of the machine shows in both. Beside it, two host costs of a
 constrained step alone: filling the masks (from 8 constrained rows the engine fills them ahead, in
 a thread, as soon as the grammars have taken a step's tokens; below, after the launch), row after
 row and with llguidance's thread pool, on the batch's last grammar states again (a snapshot: what a
