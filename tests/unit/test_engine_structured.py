@@ -109,6 +109,36 @@ def test_masks_filled_by_a_pool_over_lineages_draw_what_one_thread_draws(tiny, m
     assert pooled and max(pooled) == 12  # the whole batch was filled ahead
 
 
+def test_the_next_masks_fill_before_the_step_is_recorded_and_only_for_rows_that_go_on(tiny):
+    """Once the grammars have taken a step's tokens, the masks of the rows that go on start filling
+    before the step's events are recorded and its ended rows retired (the fill is on the path from
+    the tokens' read to the next draw); a row that ends on the token just taken is not filled."""
+    requests = [(prompt(i % 4), constrained(**kw)) for i, kw in enumerate(SAMPLING * 3)]
+    requests += [(prompt(20 + i), constrained(max_tokens=4, **kw)) for i, kw in enumerate(SAMPLING)]
+    engine = engine_for(tiny, max_num_seqs=16)
+    calls = []  # ("fill", request ids) and ("retire", request id), in order
+    fill_ahead, retire = engine.sampler.fill_ahead, engine._retire
+
+    def filled(seqs):
+        calls.append(("fill", {s.request_id for s in seqs if s.grammar is not None}))
+        return fill_ahead(seqs)
+
+    def retired(seq, reason, event):
+        calls.append(("retire", seq.request_id))
+        return retire(seq, reason, event)
+
+    engine.sampler.fill_ahead, engine._retire = filled, retired
+    seqs, _ = run(engine, requests)
+    short = {s.request_id for s in seqs[12:]}
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 4 for s in seqs[12:])
+    at = next(i for i, (kind, rid) in enumerate(calls) if kind == "retire" and rid in short)
+    fill = max(i for i in range(at) if calls[i][0] == "fill")
+    assert all(kind == "retire" for kind, _ in calls[fill + 1 : at + 1])  # this step's fill came first
+    assert not calls[fill][1] & short and len(calls[fill][1]) == 12  # without the rows that end there
+    for seq in seqs[:12]:
+        jsonschema.validate(json.loads(text(tiny, seq.output_ids)), SCHEMA)
+
+
 def test_free_requests_draw_the_same_beside_constrained_ones(tiny):
     engine = engine_for(tiny)
     free = [(prompt(10 + i), SamplingParams(max_tokens=12, ignore_eos=True, **kw)) for i, kw in enumerate(SAMPLING)]

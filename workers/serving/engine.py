@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -65,6 +66,16 @@ from workers.tensor_parallel.tp import (
 log = logging.getLogger(__name__)
 MB = 1 << 20
 COMPILE_WAIT_S = 0.01  # with nothing but grammars compiling, a step waits this long for one (no spinning)
+
+
+class Ending(NamedTuple):
+    """How a sequence ends on the token just drawn: its finish reason, whether the token is kept
+    (an end-of-sequence or stop token, or one its failed grammar refused, is not), and the error
+    its stream raises."""
+
+    reason: str
+    takes_token: bool = True
+    error: BaseException | None = None
 
 
 @dataclass
@@ -793,27 +804,27 @@ class LLMEngine:
         events: dict[str, TokenEvent],
     ) -> None:
         """Record the token drawn for each sequence, and retire sequences that are done. A sequence
-        that ended while its token was drawn (aborted, or a stop string found) takes none."""
+        that ended while its token was drawn (aborted, or a stop string found) takes none.
+
+        The grammars take their tokens first, and the next masks of the rows that go on are filled
+        on the filler's pool while the rest of this step is recorded, the next prepared and launched:
+        the next draw waits for them, and a step of many constrained rows is as long as the host's
+        path from the tokens' read to that draw, when that is longer than the device's step."""
         now = time.monotonic()
         if self.adapter_slots is not None:
             self.stats.record_adapter_tokens(Counter(s.adapter[0] for s in seqs if s.adapter is not None))
-        for i, (seq, token) in enumerate(zip(seqs, drawn)):
+        endings = [self._end_on(seq, token) for seq, token in zip(seqs, drawn)]
+        self.sampler.fill_ahead([s for s, e in zip(seqs, endings) if e is None and s.finish_reason is None])
+        for i, (seq, token, ending) in enumerate(zip(seqs, drawn, endings)):
             if seq.finish_reason is not None:
                 continue
-            p = seq.params
-            kept = None if p.logprobs is None else []  # the logprobs of its tokens, when it asked for them
+            kept = None if seq.params.logprobs is None else []  # the logprobs of its tokens, when it asked for them
             event = events.setdefault(
                 seq.request_id, TokenEvent(seq.request_id, [], logprobs=kept, cached_tokens=seq.cached_tokens)
             )
-            # first: a grammar that failed (a limit of llguidance's hit mid-way) allows only EOS
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                self._retire(seq, "error", event)
-                event.error = InvalidSchema(
-                    f"the JSON schema's grammar failed after {len(seq.output_ids)} tokens: {seq.grammar.error}"
-                )
-                continue
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                self._retire(seq, "stop", event)
+            if ending is not None and not ending.takes_token:
+                self._retire(seq, ending.reason, event)
+                event.error = ending.error
                 continue
             seq.output_ids.append(token)
             event.token_ids.append(token)
@@ -821,14 +832,28 @@ class LLMEngine:
                 event.logprobs.append(logprobs[i])
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
-            if seq.grammar is not None and seq.grammar.done:  # the document is complete
-                self._retire(seq, "stop", event)
-            elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
-                self._retire(seq, "length", event)
-        # the next masks of the rows still running, on the filler's pool while this step ends and
-        # the next is prepared and launched: its draw waits for them (with async scheduling the next
-        # is launched already, and the pool fills a large batch faster than this thread)
-        self.sampler.fill_ahead(seqs)
+            if ending is not None:
+                self._retire(seq, ending.reason, event)
+
+    def _end_on(self, seq: Sequence, token: int) -> Ending | None:
+        """How the sequence ends on this token (None: it goes on), its grammar advanced by it. The
+        only place a step touches a grammar before its next mask's fill."""
+        if seq.finish_reason is not None:
+            return None
+        p = seq.params
+        # first: a grammar that failed (a limit of llguidance's hit mid-way) allows only EOS
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            error = InvalidSchema(
+                f"the JSON schema's grammar failed after {len(seq.output_ids)} tokens: {seq.grammar.error}"
+            )
+            return Ending("error", takes_token=False, error=error)
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return Ending("stop", takes_token=False)
+        if seq.grammar is not None and seq.grammar.done:  # the document is complete
+            return Ending("stop")
+        if len(seq.output_ids) + 1 >= p.max_tokens or seq.length + 1 >= self.max_model_len:
+            return Ending("length")
+        return None
 
     def _retire(self, seq: Sequence, reason: str, event: TokenEvent) -> None:
         self.scheduler.finish(seq, reason)
