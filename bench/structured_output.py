@@ -58,6 +58,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 
 import llguidance
 import torch
@@ -100,6 +101,7 @@ def array_of(items: dict) -> dict:
 BENCH_SCHEMA = array_of(RECORD)  # the default: records whose `name` is bounded at 12 characters
 SCHEMAS = {"records": BENCH_SCHEMA, **{name: array_of(schema) for name, (schema, _) in DOCUMENTS.items()}}
 ACCEPT_STEPS = 20  # the last tokens each grammar takes again, timed
+FIRST_TOKEN_DEADLINE_S = 60.0  # a batch's prefill takes a second or two; longer: something is stuck
 POOL_THREADS = 8  # llguidance's pool in the pooled columns (the engine fills one row after another)
 
 
@@ -119,6 +121,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def row_states(engine: LLMEngine, seqs: list) -> dict[str, int]:
+    """How many of these rows are where: waiting for their grammar, queued, prefilling, decoding,
+    or ended (by reason), with or without a first token."""
+    running, waiting = engine.scheduler.running, {id(s) for s in engine.scheduler.waiting}
+    states = Counter(
+        "compiling"
+        if s.request_id in engine._compiling
+        else f"ended {s.finish_reason}"
+        if s.finish_reason is not None
+        else "queued"
+        if id(s) in waiting
+        else ("prefilling" if s.in_prefill else "decoding")
+        if s.request_id in running
+        else "nowhere"
+        for s in seqs
+    )
+    states["without a first token"] = sum(not s.output_ids for s in seqs)
+    return dict(states)
+
+
 def batch_tpot(
     engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps: int, warmup: int, seed: int, detail: bool
 ) -> dict:
@@ -131,8 +153,13 @@ def batch_tpot(
         engine.add_request(torch.randint(0, len(tokenizer), (PROMPT_LEN,), generator=g).tolist(), params)
         for _ in range(bs)
     ]
+    deadline = time.monotonic() + FIRST_TOKEN_DEADLINE_S
     while not all(s.output_ids for s in seqs):
-        engine.step()  # compile, prefill (and a first decode)
+        events = engine.step()  # compile, prefill (and a first decode)
+        ended = {s.request_id: s.finish_reason for s in seqs if s.finish_reason is not None and not s.output_ids}
+        if ended or time.monotonic() > deadline:  # say why rather than wait for what will not come
+            errors = {e.request_id: repr(e.error) for e in events if e.error is not None}
+            raise RuntimeError(f"rows without a first token: {row_states(engine, seqs)}; {ended}; {errors}")
     for _ in range(warmup):
         engine.step()
     sync(engine.device)
