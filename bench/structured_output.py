@@ -14,13 +14,13 @@ of items and an enum). TPOT is the median wall time between consecutive engine s
 back with no device synchronization (as a replica runs them: async scheduling on, one step launched
 before the last one's tokens are read), so what the host adds shows where the device would hide it;
 the overhead is constrained over free: each the median of `--rounds` rounds' median steps, the free
-and the constrained batch measured in turn so that a drift of the machine shows in both. Beside it, two host costs of a
-constrained step alone: filling the masks (from 8 constrained rows the engine fills them ahead, in
-a thread, as soon as the grammars have taken a step's tokens; below, after the launch), row after
-row and with llguidance's thread pool, on the batch's last grammar states again (a snapshot: what a
-mask costs depends on the state, so this is not what the steps' fills cost; the breakdown has
-those); and advancing every row's grammar by its drawn token, row after row as the engine does and
-with the pool (`consume_token_par`), on the batch's last tokens again.
+and the constrained batch measured in turn so that a drift of the machine shows in both. Beside it,
+two host costs of a constrained step alone: filling the masks (from 8 constrained rows the engine
+fills them ahead, in a thread, as soon as the grammars have taken a step's tokens; below, after the
+launch), row after row and with llguidance's thread pool, on the batch's last grammar states again
+(a snapshot: what a mask costs depends on the state, so this is not what the steps' fills cost; the
+breakdown has those); and advancing every row's grammar by its drawn token, row after row as the
+engine does and with the pool (`consume_token_par`), on the batch's last tokens again.
 
 Then where a step's time goes, from two more runs of as many steps each, the engine's parts timed
 on the host (perf_counter around them, so the parts that launch work time the launch): as a replica
@@ -121,22 +121,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def row_state(engine: LLMEngine, seq) -> str:
+    """Where a row is: ended (by reason), waiting for its grammar, prefilling, decoding, queued, or
+    nowhere the engine knows."""
+    if seq.finish_reason is not None:
+        return f"ended {seq.finish_reason}"
+    if seq.request_id in engine._compiling:
+        return "compiling"
+    if seq.request_id in engine.scheduler.running:
+        return "prefilling" if seq.in_prefill else "decoding"
+    return "queued" if engine.scheduler.find(seq.request_id) is seq else "nowhere"
+
+
 def row_states(engine: LLMEngine, seqs: list) -> dict[str, int]:
-    """How many of these rows are where: waiting for their grammar, queued, prefilling, decoding,
-    or ended (by reason), with or without a first token."""
-    running, waiting = engine.scheduler.running, {id(s) for s in engine.scheduler.waiting}
-    states = Counter(
-        "compiling"
-        if s.request_id in engine._compiling
-        else f"ended {s.finish_reason}"
-        if s.finish_reason is not None
-        else "queued"
-        if id(s) in waiting
-        else ("prefilling" if s.in_prefill else "decoding")
-        if s.request_id in running
-        else "nowhere"
-        for s in seqs
-    )
+    """How many of these rows are where (`row_state`), and how many have no first token."""
+    states = Counter(row_state(engine, s) for s in seqs)
     states["without a first token"] = sum(not s.output_ids for s in seqs)
     return dict(states)
 
