@@ -140,6 +140,18 @@ def row_states(engine: LLMEngine, seqs: list) -> dict[str, int]:
     return dict(states)
 
 
+def scheduler_state(engine: LLMEngine) -> dict[str, int]:
+    """What admission looks at: free sequence slots and KV pages, and the queue's and batch's sizes."""
+    scheduler = engine.scheduler
+    return {
+        "free slots": len(scheduler.free_slots),
+        "free pages": scheduler.blocks.num_free,
+        "waiting": len(scheduler.waiting),
+        "running": len(scheduler.running),
+        "prefilling": len(scheduler.prefilling),
+    }
+
+
 def batch_tpot(
     engine: LLMEngine, tokenizer, bs: int, schema: str | None, steps: int, warmup: int, seed: int, detail: bool
 ) -> dict:
@@ -158,7 +170,10 @@ def batch_tpot(
         ended = {s.request_id: s.finish_reason for s in seqs if s.finish_reason is not None and not s.output_ids}
         if ended or time.monotonic() > deadline:  # say why rather than wait for what will not come
             errors = {e.request_id: repr(e.error) for e in events if e.error is not None}
-            raise RuntimeError(f"rows without a first token: {row_states(engine, seqs)}; {ended}; {errors}")
+            raise RuntimeError(
+                f"rows without a first token: {row_states(engine, seqs)}; {ended}; {errors}; "
+                f"scheduler: {scheduler_state(engine)}"
+            )
     for _ in range(warmup):
         engine.step()
     sync(engine.device)

@@ -46,3 +46,4 @@ def test_rows_that_end_before_their_first_token_are_an_error_saying_where_they_a
     with pytest.raises(RuntimeError, match=r"'ended error': 8.*'without a first token': 8") as raised:
         structured_output.batch_tpot(engine, tokenizer, 8, '{"type":"strin"}', steps=4, warmup=1, seed=0, detail=False)
     assert "strin" in str(raised.value)
+    assert "'free slots': 8" in str(raised.value)  # what admission saw: every slot free again
