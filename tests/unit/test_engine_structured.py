@@ -15,6 +15,7 @@ import pytest
 
 from tests.unit.engine_fixtures import Tiny, load_tiny, new_engine, run_alone
 from workers.front.async_engine import AsyncEngine
+from workers.serving import batch_sampler
 from workers.serving import grammar as grammar_module
 from workers.serving.engine import LLMEngine
 from workers.serving.engine_config import EngineConfig
@@ -223,8 +224,21 @@ def test_a_schema_whose_document_cannot_go_on_ends_with_an_error_not_a_stop(tiny
     (event,) = [e for e in events if e.finish_reason is not None]
     assert seq.finish_reason == event.finish_reason == "error"
     assert isinstance(event.error, InvalidSchema) and "grammar failed after" in str(event.error)
+    assert "outside its mask" not in str(event.error)  # its mask allowed only EOS, and EOS was drawn
     assert text(tiny, seq.output_ids) == '{"a": '
     assert [t for e in events for t in e.token_ids] == seq.output_ids  # and nothing after them
+
+
+def test_a_token_drawn_outside_its_mask_is_an_error_naming_an_engine_fault(tiny, monkeypatch, caplog):
+    """Were a draw not to apply the mask filled for it (a fault of the engine's, never the
+    schema's), the grammar refuses the token and the error and the log say so."""
+    monkeypatch.setattr(batch_sampler.BitmaskBuffers, "apply", lambda self, logits: None)
+    engine = engine_for(tiny)
+    (seq,), events = run(engine, [(prompt(3), constrained())])
+    (event,) = [e for e in events if e.finish_reason is not None]
+    assert seq.finish_reason == "error" and not seq.output_ids
+    assert "after 0 tokens" in str(event.error) and "was drawn outside its mask" in str(event.error)
+    assert "which its grammar's mask did not allow" in caplog.text
 
 
 def test_an_id_waiting_for_its_grammar_is_in_use(tiny):

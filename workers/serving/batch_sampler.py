@@ -273,6 +273,16 @@ class BatchSampler:
         self.masks.start([(g.matcher, slot) for g, slot in ahead], buffers.masks)
         self._ahead = ahead
 
+    def mask_allowed(self, seq: Sequence, token: int) -> bool | None:
+        """Whether the mask seq's last draw was made under allowed `token` (None: it drew under
+        none): its slot's host bitmask row, which holds that mask until the next fill starts."""
+        buffers = self.bitmasks
+        if buffers is None or seq.slot < 0 or buffers.holder[seq.slot] is not seq.grammar:
+            return None
+        if token >= buffers.words * 32:
+            return False
+        return bool((int(buffers.masks[seq.slot, token // 32]) >> (token % 32)) & 1)
+
     @property
     def filling(self) -> bool:
         """Whether a fill ahead runs (or has ended unwaited for)."""

@@ -843,10 +843,7 @@ class LLMEngine:
         p = seq.params
         # first: a grammar that failed (a limit of llguidance's hit mid-way) allows only EOS
         if seq.grammar is not None and not seq.grammar.accept(token):
-            error = InvalidSchema(
-                f"the JSON schema's grammar failed after {len(seq.output_ids)} tokens: {seq.grammar.error}"
-            )
-            return Ending("error", takes_token=False, error=error)
+            return Ending("error", takes_token=False, error=self._grammar_failure(seq, token))
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return Ending("stop", takes_token=False)
         if seq.grammar is not None and seq.grammar.done:  # the document is complete
@@ -854,6 +851,22 @@ class LLMEngine:
         if len(seq.output_ids) + 1 >= p.max_tokens or seq.length + 1 >= self.max_model_len:
             return Ending("length")
         return None
+
+    def _grammar_failure(self, seq: Sequence, token: int) -> InvalidSchema:
+        """The error of a grammar that refused its drawn token. A grammar that failed (a limit of
+        llguidance's, a `$ref` loop) allowed only EOS, so its mask allowed the token; a mask that
+        did not is a fault of the engine's (its draw did not apply the mask it was filled with), and
+        is logged as one."""
+        error = f"the JSON schema's grammar failed after {len(seq.output_ids)} tokens: {seq.grammar.error}"
+        if self.sampler.mask_allowed(seq, token) is False:
+            log.error(
+                "request %s drew token %d, which its grammar's mask did not allow (slot %d)",
+                seq.request_id,
+                token,
+                seq.slot,
+            )
+            error += f" (token {token} was drawn outside its mask: an engine fault)"
+        return InvalidSchema(error)
 
     def _retire(self, seq: Sequence, reason: str, event: TokenEvent) -> None:
         self.scheduler.finish(seq, reason)
