@@ -122,15 +122,15 @@ def sync(device: torch.device) -> None:
 
 
 def row_state(engine: LLMEngine, seq) -> str:
-    """Where a row is: ended (by reason), waiting for its grammar, prefilling, decoding, queued, or
-    nowhere the engine knows."""
+    """Where a row is: ended (by reason), prefilling, decoding, queued, waiting for its grammar
+    (found by the engine's `find` but not the scheduler's), or nowhere the engine knows."""
     if seq.finish_reason is not None:
         return f"ended {seq.finish_reason}"
-    if seq.request_id in engine._compiling:
-        return "compiling"
     if seq.request_id in engine.scheduler.running:
         return "prefilling" if seq.in_prefill else "decoding"
-    return "queued" if engine.scheduler.find(seq.request_id) is seq else "nowhere"
+    if engine.scheduler.find(seq.request_id) is seq:
+        return "queued"
+    return "compiling" if engine.find(seq.request_id) is seq else "nowhere"
 
 
 def row_states(engine: LLMEngine, seqs: list) -> dict[str, int]:
