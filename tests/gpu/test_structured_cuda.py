@@ -149,3 +149,30 @@ def test_the_mask_buffers_reused_step_after_step_give_each_step_its_own_masks():
         steps.append((before, rows, bitmask, logits))
     for before, rows, bitmask, logits in steps:
         assert torch.equal(logits.cpu(), apply_token_bitmask(before.cpu(), torch.tensor(rows), bitmask))
+
+
+def test_new_mask_buffers_wait_for_the_work_still_writing_their_memory():
+    """The caching allocator gives the buffers the memory of a tensor freed while a kernel queued
+    on the main stream still writes it. Their first copy, on a stream of its own, must land after
+    that kernel: run ahead of it, every row's mask would be the kernel's bits (here: all tokens
+    allowed), as a batch's first tokens under a schema were on an H100
+    (bench/results/structured_output_mask_fault_h100.log)."""
+    device = torch.device("cuda")
+    slots, words = 16, 4008
+    offset = 2 * slots  # the two index spans (each `slots` rounded up to 4)
+    previous = torch.empty(offset + slots * words, dtype=torch.int32, device=device)
+    torch.cuda._sleep(200_000_000)  # the main stream is busy ...
+    previous[offset:].fill_(-1)  # ... before this write into what becomes the bitmask rows
+    address = previous.data_ptr()
+    del previous
+    buffers = BitmaskBuffers(slots, words, device)
+    assert buffers.on_device.data_ptr() == address, "the allocator did not reuse the freed block: no race to test"
+    buffers.writable()
+    buffers.masks.zero_()
+    buffers.masks[:, 0] = 1  # token 0 alone allowed in every row
+    buffers.stage(list(range(slots)), list(range(slots)))
+    buffers.send()
+    logits = torch.randn(slots, words * 32, device=device)
+    buffers.apply(logits)
+    assert torch.isneginf(logits[:, 1:]).all().item()
+    assert torch.isfinite(logits[:, 0]).all().item()

@@ -66,7 +66,9 @@ class BitmaskBuffers:
     host buffer is pinned and the copy (the indices and the bitmask rows up to the highest one used)
     runs on a stream of its own, so it overlaps the step the device is still running; the main
     stream waits for the copy only where the masks are applied. No step allocates: the buffers are
-    sized for every slot once.
+    sized for every slot once. The copy stream first waits for the work queued on the stream that
+    allocated them: the caching allocator hands out memory freed on that stream at once, and a
+    first copy run ahead of a kernel still writing it lost the masks of a batch's first tokens.
     """
 
     def __init__(self, num_slots: int, words: int, device: torch.device) -> None:
@@ -82,6 +84,8 @@ class BitmaskBuffers:
         self.masks = self.on_host[self._offset :].view(num_slots, words)  # the host bitmask rows, by slot
         self.holder: list[Grammar | None] = [None] * num_slots
         self._stream = torch.cuda.Stream(device) if cuda else None
+        if cuda:  # the device buffer may reuse a freed tensor's memory that work queued here still writes
+            self._stream.wait_stream(torch.cuda.current_stream(device))
         self._sent = torch.cuda.Event() if cuda else None  # the last copy has read the host buffer
         self._read = torch.cuda.Event() if cuda else None  # the last launch has read the device buffer
 
