@@ -44,6 +44,7 @@ from workers.serving.engine_config import EngineConfig
 from workers.serving.sampling import SamplingParams
 
 MODES = ("alone", "same_priority", "low_priority", "green")
+GREEN_CONTEXTS: list = []  # kept for the process's life
 GIL_SWITCH_S = 1e-4  # two Python threads launch kernels: neither holds the other off for 5 ms (the default)
 
 
@@ -69,7 +70,9 @@ def streams(device: str, green_sms: list[int]) -> dict[str, object]:
         try:
             from torch.cuda.green_contexts import GreenContext
 
-            out[f"green{n}"] = GreenContext.create(num_sms=n, device_id=torch.cuda.current_device()).Stream()
+            context = GreenContext.create(num_sms=n, device_id=torch.cuda.current_device())
+            GREEN_CONTEXTS.append(context)  # its streams die with it
+            out[f"green{n}"] = context.Stream()
         except Exception as e:  # noqa: BLE001 - an older torch or driver: the mode is reported as not run
             out[f"green{n}"] = f"{type(e).__name__}: {e}"
     return out
@@ -224,7 +227,7 @@ def main() -> None:
         row["decode_p50_x_alone"] = row["decode_step_ms_p50"] / alone["decode_step_ms_p50"]
         row["prefill_x_alone"] = row["prefill_ms_p50"] / alone["prefill_ms_p50"] if row["prefills"] else None
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    meta = {"device": device, "torch": torch.__version__, **{k: v for k, v in vars(args).items() if k != "out"}}
+    meta = {**{k: v for k, v in vars(args).items() if k != "out"}, "device": device, "torch": torch.__version__}
     lines = [
         "| config | mode | decode step p50 ms | p99 ms | p99 / alone p50 (target <= 1.5) | prefill p50 ms "
         "| / alone (target <= 1.2) | prefills |",
