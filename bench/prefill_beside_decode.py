@@ -35,7 +35,8 @@ import time
 
 import torch
 
-from bench.prefix_cache import bench_model, random_tokens
+from bench.chunked_prefill import p
+from bench.prefix_cache import bench_model, random_tokens, sync
 from bench.report import write_report
 from policies.graph_policy import GraphPolicy
 from workers.modeling.model import LlamaModel
@@ -46,11 +47,6 @@ from workers.serving.sampling import SamplingParams
 MODES = ("alone", "same_priority", "low_priority", "green")
 GREEN_CONTEXTS: list = []  # kept for the process's life
 GIL_SWITCH_S = 1e-4  # two Python threads launch kernels: neither holds the other off for 5 ms (the default)
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def streams(device: str, green_sms: list[int]) -> dict[str, object]:
@@ -80,11 +76,6 @@ def streams(device: str, green_sms: list[int]) -> dict[str, object]:
 
 def on(stream: object) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def decode_engine(model: LlamaModel, args: argparse.Namespace) -> LLMEngine:
@@ -175,9 +166,9 @@ def run_mode(
                 thread.join()
         if failure:
             raise failure[0]
-    sync(args.device)
+    sync(decode)
     row["decode_step_ms_p50"] = statistics.median(walls)
-    row["decode_step_ms_p99"] = p99(walls)
+    row["decode_step_ms_p99"] = p(walls, 0.99)
     row["prefill_ms_p50"] = statistics.median(t for t, _ in timed) if timed else None
     row["prefills"] = len(timed)
     row["first_tokens"] = [token for _, token in timed[: len(prompts)]]
