@@ -159,10 +159,10 @@ def test_new_mask_buffers_wait_for_the_work_still_writing_their_memory():
     (bench/results/structured_output_mask_fault_h100.log)."""
     device = torch.device("cuda")
     slots, words = 16, 4008
-    offset = 2 * slots  # the two index spans (each `slots` rounded up to 4)
-    previous = torch.empty(offset + slots * words, dtype=torch.int32, device=device)
+    layout = BitmaskBuffers(slots, words, torch.device("cpu"))  # the buffers' size, and where their rows start
+    previous = torch.empty_like(layout.on_host, device=device)
     torch.cuda._sleep(200_000_000)  # the main stream is busy ...
-    previous[offset:].fill_(-1)  # ... before this write into what becomes the bitmask rows
+    previous[layout.masks.storage_offset() :].fill_(-1)  # ... before this write into what becomes the bitmask rows
     address = previous.data_ptr()
     del previous
     buffers = BitmaskBuffers(slots, words, device)
