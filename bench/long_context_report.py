@@ -78,8 +78,10 @@ def main() -> None:
     meta = dict(runs[0]["meta"], sources=[Path(p).name for p in args.runs])
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "engines": engines}, indent=1))
+    mixed = any(r.get("context_mix", "uniform") != "uniform" for r in rows)
+    contexts = "short and mixed live contexts" if mixed else "short live contexts"
     md = [
-        f"# Decode TPOT at long max_model_len, short live contexts ({', '.join(meta['sources'])})",
+        f"# Decode TPOT at long max_model_len, {contexts} ({', '.join(meta['sources'])})",
         "",
         long_context_markdown(meta, rows),
     ]
