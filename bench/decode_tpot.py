@@ -292,6 +292,13 @@ def context_label(row: dict) -> int | str:
     return row["context_len"] if mix == "uniform" else f"{mix} (mean {row['context_len']:.0f})"
 
 
+def long_context_title(sources: list[str], rows: list[dict]) -> str:
+    """The long-context table's heading: which contexts its rows have, and the runs they come from."""
+    mixed = any(r.get("context_mix", "uniform") != "uniform" for r in rows)
+    contexts = "short and mixed live contexts" if mixed else "short live contexts"
+    return f"# Decode TPOT at long max_model_len, {contexts} ({', '.join(sources)})"
+
+
 def long_context_markdown(meta: dict, rows: list[dict]) -> str:
     """TPOT per (config, mode, context, batch size), max_model_len side by side, and their ratio."""
     lines = [
@@ -341,8 +348,7 @@ def merge_into(path: Path, meta: dict, result: dict, source: str) -> None:
     merged["meta"].setdefault("merged_runs", []).append(dict(meta, source=source))
     path.write_text(json.dumps(merged, indent=1))
     sources = merged["meta"].get("sources", []) + [r["source"] for r in merged["meta"]["merged_runs"]]
-    title = f"# Decode TPOT at long max_model_len, short and mixed live contexts ({', '.join(sources)})"
-    markdown = [title, "", long_context_markdown(merged["meta"], merged["rows"])]
+    markdown = [long_context_title(sources, merged["rows"]), "", long_context_markdown(merged["meta"], merged["rows"])]
     path.with_suffix(".md").write_text("\n".join(markdown) + "\n")
 
 

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.decode_tpot import context_label, long_context_markdown  # noqa: E402
+from bench.decode_tpot import context_label, long_context_markdown, long_context_title  # noqa: E402
 
 FIELDS = (
     "config",
@@ -78,13 +78,7 @@ def main() -> None:
     meta = dict(runs[0]["meta"], sources=[Path(p).name for p in args.runs])
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "engines": engines}, indent=1))
-    mixed = any(r.get("context_mix", "uniform") != "uniform" for r in rows)
-    contexts = "short and mixed live contexts" if mixed else "short live contexts"
-    md = [
-        f"# Decode TPOT at long max_model_len, {contexts} ({', '.join(meta['sources'])})",
-        "",
-        long_context_markdown(meta, rows),
-    ]
+    md = [long_context_title(meta["sources"], rows), "", long_context_markdown(meta, rows)]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     plot(rows, out.with_suffix(".png"))
 
