@@ -268,7 +268,14 @@ class LLMReplica:
         await self._sync_toggles_logged()
         self._background.append(asyncio.create_task(self._poll_toggles()))
         self.controller.notify(GraphController.report, self.replica_id, self.status())
-        log.info("replica %s: %s, serving %s", self.replica_id, self.engine_status.state, self.config.model)
+        loaded = self.config.model or "the default model"
+        log.info(
+            "replica %s: %s, serving %s (%s)",
+            self.replica_id,
+            self.engine_status.state,
+            self.config.served_name(),
+            loaded,
+        )
 
     def status(self) -> dict:
         status = {"replica_id": self.replica_id, "state": self.state, "requests": self.metrics.as_dict()}
