@@ -463,7 +463,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_engine_arguments(ap, [1, 8, 32])
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3, help="free and constrained runs of each batch size, in turn")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=8,
+        help="free and constrained runs of each batch size, in turn (on a host where the fills set the pace, "
+        "rounds spread by 8 points: 3 rounds' median missed a miss, bench/results/structured_output_slow_fill_h100.md)",
+    )
     ap.add_argument("--save-tokenizer", help="write the tokenizer to this directory and stop (to carry it)")
     ap.add_argument("--out", default="bench/results/structured_output_h200.json")
     ap.add_argument("--fill-threads", type=int, help="grammar.FILL_THREADS (default: the host's)")
