@@ -29,9 +29,11 @@ WARM_STREAMS = 16  # per process, before the measured round: opens connections, 
 WARM_PROMPT = "Warm-up."  # none of the round's prompts: the warm-up leaves them nothing cached
 
 
-async def one_stream(client, model: str, prompt: str, max_tokens: int, start_at: float) -> dict:
-    """One streamed completion arriving at `start_at` (monotonic): its times (`end` and `first`
-    absolute; ttft and tpot None when no chunk carried a choice)."""
+async def one_stream(
+    client, model: str, prompt: str, max_tokens: int, start_at: float, response_format: dict | None = None
+) -> dict:
+    """One streamed completion arriving at `start_at` (monotonic), under `response_format` if given:
+    its times (`end` and `first` absolute; ttft and tpot None when no chunk carried a choice)."""
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     start = time.monotonic()
     chunks, tokens = [], 0
@@ -42,7 +44,7 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, start_at:
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **({"response_format": response_format} if response_format else {})},
     )
     async for chunk in stream:
         if chunk.choices:
@@ -71,14 +73,18 @@ async def _share(spec: dict, read_line: Callable[[], str]) -> dict:
         for url in spec["urls"]
     }
     streams = [(clients[url], offset, prompt) for url, offset, prompt in spec["streams"]]
-    model = spec["model"]
+    model, response_format = spec["model"], spec.get("response_format")
     warm = [streams[i % len(streams)][0] for i in range(WARM_STREAMS)]  # as many as a round of few streams too
-    await asyncio.gather(*[one_stream(c, model, WARM_PROMPT, 4, 0.0) for c in warm])
+    # under the round's response_format: its grammar is compiled (and cached) before the round
+    await asyncio.gather(*[one_stream(c, model, WARM_PROMPT, 4, 0.0, response_format) for c in warm])
     print("ready", flush=True)
     start_at = json.loads(await asyncio.to_thread(read_line))["start_at"]
     cpu = time.process_time()
     rows = await asyncio.gather(
-        *[one_stream(c, model, prompt, spec["max_tokens"], start_at + offset) for c, offset, prompt in streams]
+        *[
+            one_stream(c, model, prompt, spec["max_tokens"], start_at + offset, response_format)
+            for c, offset, prompt in streams
+        ]
     )
     cpu = time.process_time() - cpu
     for client in clients.values():
@@ -95,12 +101,14 @@ def run_streams(
     processes: int,
     idle_s: float,
     on_start: Callable[[], None] = lambda: None,
+    response_format: dict | None = None,
 ) -> tuple[list[dict], float, float]:
     """Stream i sends prompts[i] and arrives at offset i (s) after a common start, through
     urls[i % len(urls)], from process i % processes. Returns every stream's times (in the order of
     `offsets`), the round's wall time (start to the last stream's end) and the client processes'
     CPU seconds. `idle_s`: the server idles this long between the warm-up and the round;
-    `on_start` runs at the start."""
+    `on_start` runs at the start. Every request, warm-up included, asks for `response_format`
+    (OpenAI's object, sent as /v1/completions takes it) when given."""
     shares = [[] for _ in range(min(processes, len(offsets)))]
     for i, (offset, prompt) in enumerate(zip(offsets, prompts, strict=True)):
         shares[i % len(shares)].append((urls[i % len(urls)], offset, prompt))
@@ -117,7 +125,13 @@ def run_streams(
     ]
     try:
         for child, share in zip(children, shares):
-            spec = {"urls": urls, "model": model, "streams": share, "max_tokens": max_tokens}
+            spec = {
+                "urls": urls,
+                "model": model,
+                "streams": share,
+                "max_tokens": max_tokens,
+                "response_format": response_format,
+            }
             child.stdin.write(json.dumps(spec) + "\n")
             child.stdin.flush()
         for child in children:

@@ -10,6 +10,13 @@ Every stream of a level sends the same prompt (after the first, its prefill is c
 --distinct-prompts its own: a tag of the round and the stream's index first, so no page of one
 prompt is another's, in any round, and every prefill is whole.
 
+With --schema NAME (one of `bench/structured_output.py`'s schemas), every level runs again with each
+request under that JSON schema (`response_format` of type json_schema on /v1/completions, the
+engine's requests alike), after its free run: what structured outputs cost a client against the
+same level free, in one run. --tokenizer DIR gives the checkpoint a real tokenizer (SmolLM2's, saved
+by `python -m bench.structured_output --save-tokenizer DIR`): under the byte tokenizer a mask is
+256 one-byte tokens, not the costs of a real vocabulary (`bench/mask_cost.py`).
+
 With --unary-levels, the knee of non-streamed `max_tokens: 1` requests: requests/s and latency at
 each number of concurrent clients, and the CPU each serving process spends per request.
 
@@ -25,6 +32,8 @@ Python proxy and forwards to the ingress replicas' own servers, and the clients 
 
     python -m bench.serve_load --config 1b --out bench/results/serve_load_h200.json
     python -m bench.serve_load --config tiny --device cpu --streams 64 --prompts short --out /tmp/smoke.json
+    python -m bench.serve_load --config 1b --streams 8 32 --prompts short --schema nested \
+        --tokenizer .gpu/smollm2-tokenizer --out bench/results/serve_load_structured_h100.json
 """
 
 from __future__ import annotations
@@ -70,17 +79,21 @@ ADMIN = "bench-admin"
 PROCESS_TITLES = {"ingress": "Ingress", "replica": "LLMReplica", "proxy": "ProxyActor"}
 
 
-def printable_outputs(model_dir: Path) -> None:
-    """Random weights choose tokens the byte tokenizer decodes to nothing (ids past the bytes), and
-    empty text sends no SSE event, which would hide the streaming cost a real model pays. Zeroing
-    every output row but printable ASCII's makes each token a visible character."""
+def printable_outputs(model_dir: Path, tokenizer) -> None:
+    """Random weights choose tokens the tokenizer decodes to nothing (ids past its vocabulary, special
+    tokens, bytes of a character cut in two), and empty text sends no SSE event, which would hide the
+    streaming cost a real model pays. Zeroing every output row but those of tokens that decode to
+    printable text makes each token visible."""
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
     state = load_file(path)
     head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
     keep = torch.zeros(state[head].shape[0], dtype=torch.bool)
-    keep[32:127] = True
+    special = set(tokenizer.all_special_ids)
+    for i in range(min(len(tokenizer), len(keep))):
+        text = tokenizer.decode([i])
+        keep[i] = i not in special and text != "" and text.isprintable() and "\ufffd" not in text
     state[head][~keep] = 0
     save_file(state, path, metadata={"format": "pt"})
 
@@ -124,12 +137,14 @@ def summary(per_request: list[dict], wall_s: float) -> dict:
     }
 
 
-def engine_level(engine, prompts_ids: list[list[int]], offsets: list[float], max_tokens: int) -> dict:
-    """The engine alone under the same arrivals (request i with prompts_ids[i]): requests are added
-    when they arrive, between steps."""
+def engine_level(
+    engine, prompts_ids: list[list[int]], offsets: list[float], max_tokens: int, json_schema: str | None = None
+) -> dict:
+    """The engine alone under the same arrivals (request i with prompts_ids[i], under `json_schema`,
+    canonical JSON text, if given): requests are added when they arrive, between steps."""
     from workers.serving.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, json_schema=json_schema)
     time.sleep(IDLE_BEFORE_ROUND_S)
     pending, seqs, arrived = deque(zip(offsets, prompts_ids, strict=True)), [], []
     t0 = time.monotonic()
@@ -332,15 +347,17 @@ def cpu_sampler(stop: threading.Event, samples: list[dict]) -> None:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| shape | prompt | streams / rate | engine tok/s | served tok/s | ratio | TPOT engine / served ms | "
-        "TPOT ratio | TTFT p50 / p99 ms | ITL p99 ms | chunks per request | client processes (CPU ms per request) "
-        "|\n|" + "---|" * 12
+        "| shape | prompt | response_format | streams / rate | engine tok/s | served tok/s | ratio | "
+        "TPOT engine / served ms | TPOT ratio | TTFT p50 / p99 ms | ITL p99 ms | chunks per request | "
+        "client processes (CPU ms per request) "
+        "|\n|" + "---|" * 13
     )
     lines = [head]
     for r in rows:
         level = f"{r['request_rate']:g} req/s" if r.get("request_rate") else str(r["streams"])
         lines.append(
-            f"| {r['model_shape']} | {r['prompt']} | {level} | {r['engine_tok_s']:,.0f} | "
+            f"| {r['model_shape']} | {r['prompt']} | {r.get('response_format') or '-'} | {level} | "
+            f"{r['engine_tok_s']:,.0f} | "
             f"{r['served_tok_s']:,.0f} | {r['ratio']:.2f} | {r['engine_tpot_ms']:.2f} / "
             f"{r['served_tpot_ms']:.2f} | {r['tpot_ratio']:.2f} | {r['ttft_ms_p50']:.0f} / "
             f"{r['ttft_ms_p99']:.0f} | {r['itl_ms_p99']:.1f} | {r['chunks_per_request']:.0f} | "
@@ -372,6 +389,8 @@ def unary_table(unary: dict) -> str:
 
 
 def main() -> None:
+    from bench.structured_output import SCHEMAS, load_tokenizer
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="1b", choices=["1b", "8b", "tiny"])
     ap.add_argument("--device", default="cuda")
@@ -408,6 +427,12 @@ def main() -> None:
         default=[DEFAULT_CLIENT_PROCESSES],
         help="processes of openai clients the streams are spread over (several: one row per count)",
     )
+    ap.add_argument(
+        "--schema",
+        choices=list(SCHEMAS),
+        help="every level again with each request under this JSON schema (response_format json_schema)",
+    )
+    ap.add_argument("--tokenizer", help="a saved tokenizer directory for the checkpoint (default: the byte tokenizer)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.throughput_optimized or args.haproxy:  # before Ray is imported: every Ray process reads it at start
@@ -419,13 +444,14 @@ def main() -> None:
     from workers.modeling.synthetic import BENCH_CONFIGS, build_byte_tokenizer, tiny_hf_config, write_checkpoint
     from workers.serving.engine import LLMEngine
     from workers.serving.engine_config import EngineConfig
+    from workers.serving.json_schema import canonical_schema
 
     work = Path(tempfile.mkdtemp())
     model_dir = work / f"llama-{args.config}-random"
-    tokenizer = build_byte_tokenizer()
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else build_byte_tokenizer()
     shape = tiny_hf_config(len(tokenizer)) if args.config == "tiny" else BENCH_CONFIGS[args.config]
     write_checkpoint(model_dir, shape, tokenizer, seed=0)
-    printable_outputs(model_dir)
+    printable_outputs(model_dir, tokenizer)
     gpu = args.device == "cuda"
     policy = GraphPolicy(decode_batch_buckets=args.buckets, compile=not args.no_compile and gpu)
     max_num_seqs = max(args.buckets)
@@ -435,8 +461,10 @@ def main() -> None:
         kv_cache_tokens=args.kv_cache_tokens,
         compile_cache_dir=str(work / "inductor"),
     )
-    levels = [(p, c, None) for p in args.prompts for c in args.streams]
-    levels += [(p, args.rate_requests, r) for p in args.prompts for r in args.rates]
+    schemas = [None] + ([args.schema] if args.schema else [])  # each level free, then constrained
+    levels = [(p, c, None, s) for p in args.prompts for c in args.streams for s in schemas]
+    levels += [(p, args.rate_requests, r, s) for p in args.prompts for r in args.rates for s in schemas]
+    canonical = {s: canonical_schema(SCHEMAS[s]) for s in schemas if s}
 
     engine, tok = LLMEngine.from_config(
         EngineConfig(model=str(model_dir), device=args.device, graph_policy=policy, **settings)
@@ -446,12 +474,13 @@ def main() -> None:
     def tag(kind: str, n: int) -> str | None:
         return f"{kind}{n}" if args.distinct_prompts else None
 
-    for n, (prompt, streams, rate) in enumerate(levels):
+    for n, (prompt, streams, rate, schema) in enumerate(levels):
         warm = [tok(p)["input_ids"] for p in stream_prompts(prompt, min(streams, 8), tag("w", n))]
-        engine_level(engine, warm, arrivals(len(warm), None), 8)
+        engine_level(engine, warm, arrivals(len(warm), None), 8, canonical.get(schema))
         ids = [tok(p)["input_ids"] for p in stream_prompts(prompt, streams, tag("e", n))]
-        alone[(prompt, streams, rate)] = engine_level(engine, ids, arrivals(streams, rate), args.max_tokens)
-        print("engine", prompt, streams, rate, len(ids[0]), "tokens", alone[(prompt, streams, rate)], flush=True)
+        level = (prompt, streams, rate, schema)
+        alone[level] = engine_level(engine, ids, arrivals(streams, rate), args.max_tokens, canonical.get(schema))
+        print("engine", *level, len(ids[0]), "tokens", alone[level], flush=True)
     prompt_tokens = {p: len(tok(PROMPTS[p])["input_ids"]) for p in args.prompts}
     del engine
     if gpu:
@@ -491,10 +520,11 @@ def main() -> None:
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for n, ((prompt, streams, rate), processes) in enumerate(itertools.product(levels, args.client_processes)):
+    for n, ((prompt, streams, rate, schema), processes) in enumerate(itertools.product(levels, args.client_processes)):
         profiling = (
             args.profile_streams == streams
             and rate is None
+            and schema is None
             and prompt == "short"
             and processes == args.client_processes[0]
         )
@@ -511,6 +541,9 @@ def main() -> None:
             processes,
             IDLE_BEFORE_ROUND_S,
             on_start=(lambda spies=spies: spies.extend(profile(out_dir, 6))) if profiling else (lambda: None),
+            response_format={"type": "json_schema", "json_schema": {"name": schema, "schema": SCHEMAS[schema]}}
+            if schema
+            else None,
         )
         served = summary(per_request, wall)
         served["chunks_per_request"] = statistics.median(r["chunks"] for r in per_request)
@@ -518,11 +551,12 @@ def main() -> None:
         stop_profile(spies)
         peak = {role: max(s[role] for s in samples) for role in samples[0]} if samples else {}
         mean = {role: statistics.fmean(s[role] for s in samples) for role in samples[0]} if samples else {}
-        e = alone[(prompt, streams, rate)]
+        e = alone[(prompt, streams, rate, schema)]
         row = {
             "model_shape": args.config,
             "prompt": prompt,
             "prompt_tokens": prompt_tokens[prompt],
+            "response_format": schema,
             "streams": streams,
             "engine_tok_s": e["output_token_throughput"],
             "served_tok_s": served["output_token_throughput"],
@@ -571,6 +605,8 @@ def main() -> None:
         "throughput_optimized": args.throughput_optimized,
         "haproxy": args.haproxy,
         "distinct_prompts": args.distinct_prompts,
+        "tokenizer": args.tokenizer or "bytes",
+        "schema": args.schema,
     }
     result = {"meta": meta, "rows": rows, "unary_max_tokens_1": unary}
     if args.profile_streams or args.profile_unary:
