@@ -73,7 +73,7 @@ async def _share(spec: dict, read_line: Callable[[], str]) -> dict:
         for url in spec["urls"]
     }
     streams = [(clients[url], offset, prompt) for url, offset, prompt in spec["streams"]]
-    model, response_format = spec["model"], spec.get("response_format")
+    model, response_format = spec["model"], spec["response_format"]
     warm = [streams[i % len(streams)][0] for i in range(WARM_STREAMS)]  # as many as a round of few streams too
     # under the round's response_format: its grammar is compiled (and cached) before the round
     await asyncio.gather(*[one_stream(c, model, WARM_PROMPT, 4, 0.0, response_format) for c in warm])

@@ -39,8 +39,8 @@ def test_a_constrained_batch_is_timed(bench):
     schema = structured_output.canonical_schema(structured_output.SCHEMAS["records"])
     out = structured_output.batch_tpot(engine, tokenizer, 8, schema, steps=4, warmup=1, seed=0, detail=False)
     assert out["tpot_ms_median"] > 0
-    assert out["tpot_ms_p90"] >= out["tpot_ms_median"]
-    assert out["tpot_ms_mean"] > 0
+    # 4 steps: p90 is the slowest, and their mean lies between half their median and the slowest
+    assert out["tpot_ms_median"] / 2 <= out["tpot_ms_mean"] <= out["tpot_ms_p90"]
 
 
 def test_rows_that_end_before_their_first_token_are_an_error_saying_where_they_are(bench):
